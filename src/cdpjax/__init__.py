@@ -1,0 +1,3 @@
+"""cdpjax: Cyclic Data Parallelism in JAX."""
+
+__version__ = "0.1.0"
