@@ -1,0 +1,291 @@
+"""The CDP update rules as one pure-functional JAX train step.
+
+Worker ``i`` differentiates its micro-batch loss at its own mixed view
+``theta~_i^j = theta^j_{t - d[i, j]}``; gradients are averaged per stage with one
+all-reduce per stage (a flat bucket), and one optimizer update is applied to
+``theta_t``. The state carries ``theta_t`` and the ``D`` stale versions the rule
+reads, so ``dp``, ``cdp-v1``, ``cdp-v2`` and any delay matrix with entries in
+``0..D`` are the same code.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cdpjax import schedule
+
+BACKENDS = ("shard_map", "pmap")
+
+
+class CyclicState(NamedTuple):
+  """Everything that shapes the trajectory of CDP training.
+
+  Attributes:
+    step: int32 scalar, the number of updates applied so far (``t``).
+    params: ``theta_t``, the current parameters.
+    stale_params: ``(theta_{t-1}, ..., theta_{t-D})``; empty for ``dp``.
+    opt_state: the optax state of ``params``.
+    model_state: non-trained state such as BatchNorm statistics, or ``None``.
+  """
+  step: jax.Array
+  params: Any
+  stale_params: tuple
+  opt_state: Any
+  model_state: Any = None
+
+  @property
+  def versions(self) -> tuple:
+    """``(theta_t, theta_{t-1}, ..., theta_{t-D})``."""
+    return (self.params,) + tuple(self.stale_params)
+
+
+def init_state(params, tx: optax.GradientTransformation, *, rule,
+               model_state=None) -> CyclicState:
+  """Builds the state at ``t = 0``; every stale version is ``theta_0``.
+
+  Args:
+    params: ``theta_0``.
+    tx: the optimizer.
+    rule: a rule name of ``schedule.RULES`` or an explicit delay matrix; it
+      fixes how many stale versions the state carries.
+    model_state: optional non-trained state (e.g. ``{"batch_stats": ...}``).
+  """
+  num_stale = schedule.max_delay(rule)
+  # Real copies: the step donates the state, which must neither delete the
+  # caller's arrays nor hold one buffer twice.
+  params = jax.tree.map(jnp.array, params)
+  stale = tuple(jax.tree.map(jnp.array, params) for _ in range(num_stale))
+  return CyclicState(
+      step=jnp.zeros((), jnp.int32), params=params, stale_params=stale,
+      opt_state=tx.init(params), model_state=model_state)
+
+
+def num_stages_of(stage_ids) -> int:
+  """``J``: one more than the largest stage id."""
+  return 1 + max(int(s) for s in jax.tree.leaves(stage_ids))
+
+
+def _check_stage_ids(stage_ids, num_stages: int) -> list[int]:
+  ids = jax.tree.leaves(stage_ids)
+  if not ids:
+    raise ValueError("stage_ids has no leaves: give an int stage for every parameter leaf.")
+  for s in ids:
+    if isinstance(s, (bool, np.bool_)) or int(s) != s or not 0 <= int(s) < num_stages:
+      raise ValueError(
+          f"Stage id {s!r} is out of range: stage ids must be ints in 0..{num_stages - 1} "
+          f"(num_stages = {num_stages}). Use cdpjax.stages.partition to build them.")
+  missing = sorted(set(range(num_stages)) - {int(s) for s in ids})
+  if missing:
+    raise ValueError(
+        f"Stages {missing} hold no parameters. Every stage 0..{num_stages - 1} needs at "
+        "least one leaf: use fewer stages or cdpjax.stages.partition.")
+  return [int(s) for s in ids]
+
+
+def _bucket_key(leaf) -> tuple:
+  return jnp.dtype(leaf.dtype).name
+
+
+def _reduce_by_stage(grads, stage_of_leaf, num_stages, extras, axis_name, num_workers):
+  """Means ``grads`` and ``extras`` over workers with one psum per (stage, dtype).
+
+  ``extras`` (the loss, model state) ride in the last stage's bucket, so a
+  float32 model issues exactly ``J`` all-reduces. Returns the reduced
+  ``(grads, extras, sq_norm_per_stage)``.
+  """
+  g_leaves, g_def = jax.tree.flatten(grads)
+  x_leaves, x_def = jax.tree.flatten(extras)
+  buckets: dict[tuple, list] = {}  # (stage, dtype) -> [(kind, index, leaf)]
+  for k, leaf in enumerate(g_leaves):
+    buckets.setdefault((stage_of_leaf[k], _bucket_key(leaf)), []).append(("g", k, leaf))
+  for k, leaf in enumerate(x_leaves):
+    buckets.setdefault((num_stages - 1, _bucket_key(leaf)), []).append(("x", k, leaf))
+  g_out, x_out = [None] * len(g_leaves), [None] * len(x_leaves)
+  sq_norms = [jnp.zeros((), jnp.float32) for _ in range(num_stages)]
+  for (stage, _), items in sorted(buckets.items()):
+    flat = jnp.concatenate([jnp.ravel(leaf) for _, _, leaf in items])
+    flat = jax.lax.psum(flat, axis_name) / num_workers
+    offset = 0
+    for kind, k, leaf in items:
+      part = flat[offset:offset + leaf.size].reshape(leaf.shape)
+      offset += leaf.size
+      if kind == "g":
+        g_out[k] = part
+        sq_norms[stage] = sq_norms[stage] + jnp.sum(jnp.square(part.astype(jnp.float32)))
+      else:
+        x_out[k] = part
+  return (jax.tree.unflatten(g_def, g_out), jax.tree.unflatten(x_def, x_out),
+          jnp.stack(sq_norms))
+
+
+def _worker_view(versions, stage_of_leaf, delays, axis_name):
+  """This worker's parameters: leaf of stage ``j`` taken from version ``d[i, j]``.
+
+  The result is marked varying over ``axis_name``, so its gradient is this
+  worker's own (a replicated input's gradient would come back already summed).
+  """
+  row = jnp.asarray(delays)[jax.lax.axis_index(axis_name)]
+  leaves = [jax.tree.leaves(v) for v in versions]
+  treedef = jax.tree.structure(versions[0])
+  view = []
+  for k, stage in enumerate(stage_of_leaf):
+    column = sorted(set(delays[:, stage].tolist()))
+    if len(column) == 1:  # Every worker reads the same version: no select needed.
+      leaf = leaves[column[0]][k]
+      view.append(jax.lax.pcast(leaf, axis_name, to="varying"))
+      continue
+    leaf = jax.lax.pcast(leaves[column[0]][k], axis_name, to="varying")
+    for version in column[1:]:
+      leaf = jnp.where(row[stage] == version, leaves[version][k], leaf)
+    view.append(leaf)
+  return jax.tree.unflatten(treedef, view)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """A compiled train step: ``state, metrics = step(state, batch)``.
+
+  ``lower(state, batch)`` gives the lowered program (for StableHLO, memory and
+  cost inspection) after the same input checks and placement.
+  """
+  run: Callable
+  prepare: Callable
+
+  def __call__(self, state, batch):
+    return self.run(*self.prepare(state, batch))
+
+  def lower(self, state, batch):
+    return self.run.lower(*self.prepare(state, batch))
+
+
+def make_train_step(
+    loss_fn: Callable, tx: optax.GradientTransformation, *, stage_ids, rule,
+    mesh: Mesh, axis_name: str = "data", backend: str = "shard_map",
+    with_model_state: bool = False, scan_steps: int | None = None,
+    donate: bool = True) -> TrainStep:
+  """Builds the CDP train step over the mesh axis ``axis_name``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of one
+      worker's micro-batch; with ``with_model_state``,
+      ``loss_fn(params, model_state, batch) -> (scalar, new_model_state)``.
+      New model states are averaged over workers (BatchNorm statistics).
+    tx: any optax ``GradientTransformation``.
+    stage_ids: the structure of ``params`` with an int stage on every leaf.
+    rule: a name of ``schedule.RULES`` or an ``(N, J)`` delay matrix.
+    mesh: a mesh with axis ``axis_name`` of size ``N`` (the workers).
+    axis_name: the mesh axis of the workers.
+    backend: ``"shard_map"`` (primary) or ``"pmap"``; same numbers.
+    with_model_state: whether ``loss_fn`` takes and returns a model state.
+    scan_steps: if set to ``K``, one call runs ``K`` steps with ``lax.scan``;
+      batch leaves then have shape ``[K, N * b, ...]`` and metrics gain a
+      leading ``K`` axis.
+    donate: donate the input state's buffers to the output state.
+
+  Returns:
+    A ``TrainStep``; ``step(state, batch) -> (state, metrics)`` with metrics
+    ``loss`` (mean over workers), ``grad_norm``, ``grad_norm_per_stage`` [J]
+    and ``param_norm`` (of the parameters the step read, ``theta_t``).
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"Unknown backend {backend!r}: use one of {BACKENDS}.")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(
+        f"The mesh has axes {tuple(mesh.axis_names)} but no axis {axis_name!r}: build it "
+        f"with jax.make_mesh((num_workers,), ({axis_name!r},)) or pass axis_name=.")
+  if scan_steps is not None and (int(scan_steps) != scan_steps or scan_steps < 1):
+    raise ValueError(f"scan_steps must be a positive int or None, got {scan_steps!r}.")
+  num_workers = int(mesh.shape[axis_name])
+  if isinstance(rule, str):
+    num_stages = num_stages_of(stage_ids) if jax.tree.leaves(stage_ids) else 1
+  else:
+    num_stages = int(np.shape(rule)[1]) if np.ndim(rule) == 2 else 0
+  delays = schedule.resolve(rule, num_workers, num_stages)
+  stage_of_leaf = _check_stage_ids(stage_ids, num_stages)
+  num_stale = schedule.max_delay(rule)
+  if delays.max(initial=0) > num_stale:
+    raise ValueError(f"Delay matrix needs {delays.max()} stale versions; the state keeps {num_stale}.")
+  ids_def = jax.tree.structure(stage_ids)
+
+  def one_step(state: CyclicState, batch):
+    view = _worker_view(state.versions, stage_of_leaf, delays, axis_name)
+    if with_model_state:
+      (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          view, state.model_state, batch)
+    else:
+      loss, grads = jax.value_and_grad(loss_fn)(view, batch)
+      model_state = state.model_state
+    grads, (loss, model_state), sq_norms = _reduce_by_stage(
+        grads, stage_of_leaf, num_stages, (loss, model_state), axis_name, num_workers)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    stale = state.versions[:num_stale]
+    metrics = {
+        "loss": loss,
+        "grad_norm": jnp.sqrt(jnp.sum(sq_norms)),
+        "grad_norm_per_stage": jnp.sqrt(sq_norms),
+        "param_norm": optax.tree.norm(state.params),
+    }
+    return CyclicState(state.step + 1, params, stale, opt_state, model_state), metrics
+
+  if scan_steps is None:
+    body = one_step
+  else:
+    def body(state, batches):
+      return jax.lax.scan(one_step, state, batches)
+
+  batch_axis = 0 if scan_steps is None else 1
+  donate_argnums = (0,) if donate else ()
+  if backend == "shard_map":
+    batch_spec = P(axis_name) if scan_steps is None else P(None, axis_name)
+    run = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P())),
+        donate_argnums=donate_argnums)
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, batch_spec)
+  else:
+    if len(mesh.axis_names) != 1:
+      raise ValueError("The pmap backend needs a 1-D mesh; use backend='shard_map' for more axes.")
+    run = jax.pmap(body, axis_name, in_axes=(None, 0), out_axes=None,
+                   devices=list(mesh.devices.flat), donate_argnums=donate_argnums)
+    replicated = batch_sharding = None
+
+  def prepare(state: CyclicState, batch):
+    if jax.tree.structure(state.params) != ids_def:
+      raise ValueError(
+          "stage_ids do not match params: stage_ids must have the same tree structure "
+          f"as params.\n  params:    {jax.tree.structure(state.params)}\n  stage_ids: {ids_def}")
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+      raise ValueError("The batch has no array leaves.")
+    if scan_steps is not None:
+      for x in leaves:
+        if np.ndim(x) < 2 or np.shape(x)[0] != scan_steps:
+          raise ValueError(
+              f"With scan_steps={scan_steps} every batch leaf needs shape "
+              f"[{scan_steps}, num_workers * b, ...]; got {np.shape(x)}.")
+    sizes = {np.shape(x)[batch_axis] for x in leaves}
+    if len(sizes) != 1:
+      raise ValueError(f"Batch leaves disagree on the batch dimension: sizes {sorted(sizes)}.")
+    size = sizes.pop()
+    if size % num_workers or size == 0:
+      raise ValueError(
+          f"Batch size {size} is not divisible by the {num_workers} workers: use a global "
+          f"batch of num_workers * per_worker_batch rows (worker i gets rows i*b:(i+1)*b).")
+    if backend == "shard_map":
+      return jax.device_put(state, replicated), jax.device_put(batch, batch_sharding)
+    b = size // num_workers
+
+    def split(x):  # [.., N*b, ..] -> [N, .., b, ..]: the pmap axis leads.
+      x = jnp.asarray(x)
+      shape = x.shape[:batch_axis] + (num_workers, b) + x.shape[batch_axis + 1:]
+      return jnp.moveaxis(x.reshape(shape), batch_axis, 0)
+    return state, jax.tree.map(split, batch)
+
+  return TrainStep(run=run, prepare=prepare)

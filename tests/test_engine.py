@@ -1,0 +1,276 @@
+"""The engine's update rules against closed forms and single-device references."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from cdpjax import engine, schedule
+try:
+  from cdpjax import compiled
+except ImportError:
+  compiled = None
+
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def make_problem(num_workers, num_stages, per_worker=2, width=4, seed=0):
+  """A J-stage tanh MLP; stage j is the dict entry Dense_j."""
+  rng = np.random.default_rng(seed)
+  params = {f"Dense_{j}": {"w": rng.normal(size=(width, width)).astype(np.float32) * 0.6,
+                           "b": rng.normal(size=(width,)).astype(np.float32) * 0.1}
+            for j in range(num_stages)}
+  stage_ids = {f"Dense_{j}": {"w": j, "b": j} for j in range(num_stages)}
+  n = num_workers * per_worker
+  batch = {"x": rng.normal(size=(n, width)).astype(np.float32),
+           "y": rng.normal(size=(n, width)).astype(np.float32)}
+  return params, stage_ids, batch
+
+
+def loss_fn(params, batch):
+  h = batch["x"]
+  for j in range(len(params)):
+    h = jnp.tanh(h @ params[f"Dense_{j}"]["w"] + params[f"Dense_{j}"]["b"][None, :])
+  return jnp.mean(jnp.square(h - batch["y"]))
+
+
+def mesh_of(n):
+  return jax.make_mesh((n,), ("data",))
+
+
+def run_engine(rule, params, stage_ids, batches, tx, num_workers, **kw):
+  state = engine.init_state(params, tx, rule=rule)
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule,
+                                mesh=mesh_of(num_workers), **kw)
+  losses = []
+  for batch in batches:
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
+def reference(rule, params, stage_ids, batches, tx, num_workers):
+  """Single-device loop over workers: each differentiates at its mixed view."""
+  num_stages = engine.num_stages_of(stage_ids)
+  delays = schedule.resolve(rule, num_workers, num_stages)
+  versions = [params] * (1 + schedule.max_delay(rule))
+  opt_state = tx.init(params)
+  losses = []
+  for batch in batches:
+    grads, loss = [], 0.0
+    for i in range(num_workers):
+      view = jax.tree.map(lambda s, *vs: vs[delays[i, s]], stage_ids, *versions)
+      part = jax.tree.map(lambda x: np.split(x, num_workers)[i], batch)
+      value, g = jax.value_and_grad(loss_fn)(view, part)
+      grads.append(g)
+      loss += value / num_workers
+    mean = jax.tree.map(lambda *g: sum(g) / num_workers, *grads)
+    updates, opt_state = tx.update(mean, opt_state, versions[0])
+    versions = [optax.apply_updates(versions[0], updates)] + versions[:-1]
+    losses.append(float(loss))
+  return versions[0], losses
+
+
+def assert_tree_close(a, b, rtol=RTOL, atol=ATOL):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def batches_of(num_workers, steps, **kw):
+  return [make_problem(num_workers, 1, seed=100 + t, **kw)[2] for t in range(steps)]
+
+
+@pytest.mark.parametrize("rule", ["dp", "cdp-v1", "cdp-v2", "cdp-v2-paper"])
+@pytest.mark.parametrize("num_workers,num_stages", [(4, 3), (8, 2), (2, 5)])
+def test_engine_matches_per_worker_reference(rule, num_workers, num_stages):
+  params, stage_ids, _ = make_problem(num_workers, num_stages)
+  batches = batches_of(num_workers, 3)
+  tx = optax.sgd(0.2, momentum=0.9)
+  state, losses = run_engine(rule, params, stage_ids, batches, tx, num_workers)
+  ref_params, ref_losses = reference(rule, params, stage_ids, batches, tx, num_workers)
+  assert_tree_close(state.params, ref_params)
+  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+  assert int(state.step) == 3
+
+
+def test_dp_equals_single_device_large_batch_sgd():
+  params, stage_ids, _ = make_problem(8, 3)
+  batches = batches_of(8, 3)
+  tx = optax.sgd(0.3)
+  state, _ = run_engine("dp", params, stage_ids, batches, tx, 8)
+  expected = params
+  for batch in batches:  # One device, one big batch: the textbook step.
+    expected = jax.tree.map(lambda p, g: p - 0.3 * g, expected, jax.grad(loss_fn)(expected, batch))
+  assert_tree_close(state.params, expected)
+
+
+def test_cdp_v1_closed_form():
+  """theta_{t+1} = theta_t - lr * g(theta_{t-1}), with theta_{-1} = theta_0."""
+  params, stage_ids, _ = make_problem(4, 2)
+  batches = batches_of(4, 4)
+  lr = 0.3
+  state, _ = run_engine("cdp-v1", params, stage_ids, batches, optax.sgd(lr), 4)
+  prev, cur = params, params
+  for batch in batches:
+    g = jax.grad(loss_fn)(prev, batch)
+    prev, cur = cur, jax.tree.map(lambda p, d: p - lr * d, cur, g)
+  assert_tree_close(state.params, cur)
+  assert_tree_close(state.stale_params[0], prev)
+
+
+def test_gradient_is_mean_over_workers_not_sum():
+  """A loss linear in w: the mean gradient is the mean of x over all rows."""
+  mesh = mesh_of(8)
+  x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3) / 10
+  params = {"w": np.zeros(3, np.float32)}
+  tx = optax.sgd(1.0)
+  step = engine.make_train_step(lambda p, b: jnp.mean(b @ p["w"]), tx,
+                                stage_ids={"w": 0}, rule="dp", mesh=mesh)
+  state, metrics = step(engine.init_state(params, tx, rule="dp"), x)
+  np.testing.assert_allclose(state.params["w"], -x.mean(0), rtol=RTOL)
+  np.testing.assert_allclose(metrics["grad_norm"], np.linalg.norm(x.mean(0)), rtol=RTOL)
+
+
+@pytest.mark.parametrize("rule", ["dp", "cdp-v1", "cdp-v2"])
+def test_shard_map_equals_pmap(rule):
+  params, stage_ids, _ = make_problem(4, 3)
+  batches = batches_of(4, 3)
+  tx = optax.adam(0.05)
+  a, la = run_engine(rule, params, stage_ids, batches, tx, 4, backend="shard_map")
+  b, lb = run_engine(rule, params, stage_ids, batches, tx, 4, backend="pmap")
+  assert_tree_close(a.params, b.params, rtol=1e-6)
+  np.testing.assert_allclose(la, lb, rtol=1e-6)
+
+
+def test_scan_of_k_steps_equals_k_single_steps():
+  params, stage_ids, _ = make_problem(4, 3)
+  batches = batches_of(4, 3)
+  tx = optax.sgd(0.2, momentum=0.9)
+  single, losses = run_engine("cdp-v2", params, stage_ids, batches, tx, 4)
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule="cdp-v2",
+                                mesh=mesh_of(4), scan_steps=3)
+  stacked = jax.tree.map(lambda *x: np.stack(x), *batches)
+  scanned, metrics = step(engine.init_state(params, tx, rule="cdp-v2"), stacked)
+  assert_tree_close(scanned.params, single.params)
+  assert_tree_close(scanned.stale_params, single.stale_params)
+  np.testing.assert_allclose(metrics["loss"], losses, rtol=RTOL)
+  assert metrics["grad_norm_per_stage"].shape == (3, 3)
+
+
+def test_general_staleness_keeps_d_plus_one_versions():
+  delays = np.array([[2, 1, 0], [1, 0, 2], [0, 2, 1], [2, 2, 2]])
+  params, stage_ids, _ = make_problem(4, 3)
+  batches = batches_of(4, 4)
+  tx = optax.sgd(0.2)
+  state, losses = run_engine(delays, params, stage_ids, batches, tx, 4)
+  assert len(state.stale_params) == 2
+  ref_params, ref_losses = reference(delays, params, stage_ids, batches, tx, 4)
+  assert_tree_close(state.params, ref_params)
+  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+
+
+def test_model_state_is_averaged_over_workers():
+  """A BatchNorm-like running mean: workers' statistics are averaged."""
+  mesh = mesh_of(4)
+  x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+
+  def loss_with_state(params, model_state, batch):
+    return jnp.mean(batch @ params["w"]), {"mean": 0.5 * model_state["mean"] + 0.5 * batch.mean(0)}
+
+  tx = optax.sgd(0.1)
+  step = engine.make_train_step(loss_with_state, tx, stage_ids={"w": 0}, rule="cdp-v1",
+                                mesh=mesh, with_model_state=True)
+  state = engine.init_state({"w": np.ones(3, np.float32)}, tx, rule="cdp-v1",
+                            model_state={"mean": np.ones(3, np.float32)})
+  state, _ = step(state, x)
+  np.testing.assert_allclose(state.model_state["mean"], 0.5 + 0.5 * x.mean(0), rtol=RTOL)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 5])
+def test_stablehlo_has_one_all_reduce_per_stage(num_stages):
+  params, stage_ids, batch = make_problem(4, num_stages)
+  tx = optax.sgd(0.1)
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule="cdp-v2", mesh=mesh_of(4))
+  lowered = step.lower(engine.init_state(params, tx, rule="cdp-v2"), batch)
+  counts = compiled.stablehlo_collectives(lowered.as_text())
+  assert counts.get("all_reduce", 0) == num_stages
+
+
+def test_state_is_donated():
+  params, stage_ids, batch = make_problem(2, 2)
+  tx = optax.sgd(0.1)
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule="cdp-v2", mesh=mesh_of(2))
+  state = jax.device_put(engine.init_state(params, tx, rule="cdp-v2"),
+                         jax.sharding.NamedSharding(mesh_of(2), jax.sharding.PartitionSpec()))
+  step(state, batch)
+  assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
+
+
+def test_cdp_extra_memory_is_at_most_one_parameter_copy():
+  params, stage_ids, batch = make_problem(4, 3, width=64)
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  tx = optax.sgd(0.1)
+  peaks = {}
+  for rule in ("dp", "cdp-v2"):
+    step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh_of(4))
+    peaks[rule] = compiled.memory(step.lower(engine.init_state(params, tx, rule=rule), batch)
+                                  .compile())["peak_bytes"]
+  assert peaks["cdp-v2"] - peaks["dp"] <= param_bytes
+
+
+class TestBadInput:
+
+  def setup_method(self):
+    self.params, self.stage_ids, self.batch = make_problem(4, 2)
+    self.tx = optax.sgd(0.1)
+
+  def make(self, **kw):
+    args = dict(stage_ids=self.stage_ids, rule="cdp-v2", mesh=mesh_of(4))
+    args.update(kw)
+    return engine.make_train_step(loss_fn, self.tx, **args)
+
+  def test_unknown_rule(self):
+    with pytest.raises(ValueError, match="Unknown rule 'cdp-v3'.*cdp-v2"):
+      self.make(rule="cdp-v3")
+    with pytest.raises(ValueError, match="Unknown rule"):
+      engine.init_state(self.params, self.tx, rule="cdpv2")
+
+  def test_batch_not_divisible(self):
+    step = self.make()
+    bad = jax.tree.map(lambda x: x[:6], self.batch)
+    with pytest.raises(ValueError, match="not divisible by the 4 workers"):
+      step(engine.init_state(self.params, self.tx, rule="cdp-v2"), bad)
+
+  def test_stage_ids_do_not_match_params(self):
+    step = self.make(stage_ids={"Dense_0": 0, "Dense_1": 1})
+    with pytest.raises(ValueError, match="stage_ids do not match params"):
+      step(engine.init_state(self.params, self.tx, rule="cdp-v2"), self.batch)
+
+  def test_stage_id_out_of_range(self):
+    ids = {"Dense_0": {"w": 0, "b": 0}, "Dense_1": {"w": 1, "b": -1}}
+    with pytest.raises(ValueError, match="out of range"):
+      self.make(stage_ids=ids)
+    with pytest.raises(ValueError, match="out of range"):
+      self.make(stage_ids={"Dense_0": {"w": 0, "b": 0}, "Dense_1": {"w": 2, "b": 2}},
+                rule=np.zeros((4, 2), int))
+    with pytest.raises(ValueError, match=r"Stages \[1\] hold no parameters"):
+      self.make(stage_ids={"Dense_0": {"w": 0, "b": 0}, "Dense_1": {"w": 2, "b": 2}})
+
+  def test_mesh_without_axis(self):
+    with pytest.raises(ValueError, match="no axis 'data'.*make_mesh"):
+      self.make(mesh=jax.make_mesh((4,), ("workers",)))
+
+  def test_delay_matrix_shape(self):
+    with pytest.raises(ValueError, match=r"shape \(3, 2\), expected"):
+      self.make(rule=np.zeros((3, 2), int))
+    with pytest.raises(ValueError, match=">= 0"):
+      self.make(rule=-np.ones((4, 2), int))
+
+  def test_unknown_backend(self):
+    with pytest.raises(ValueError, match="Unknown backend"):
+      self.make(backend="pjit")
+
+  def test_scan_batch_shape(self):
+    step = self.make(scan_steps=2)
+    with pytest.raises(ValueError, match="scan_steps=2"):
+      step(engine.init_state(self.params, self.tx, rule="cdp-v2"), self.batch)
