@@ -3,8 +3,17 @@
 Pure numpy, no JAX. ``d[i, j]`` is how many steps old the parameters of stage
 ``j`` are when worker ``i`` uses them: worker ``i`` at stage ``j`` of step ``t``
 computes with ``theta^j_{t - d[i, j]}`` (``theta_{-1} := theta_0``).
+
+The time model (DESIGN.md section 1): every stage forward or backward takes one
+slot; worker ``i`` starts step ``t`` at slot ``t*2J + o_i``, with
+``o_i = i*2J/N`` on the cyclic timeline and ``o_i = 0`` in lockstep (DP). The
+forward of stage ``j`` runs at ``start + j``, its backward at ``start + 2J-1-j``.
+``timeline`` lists these events; the profiles below are read off it.
 """
 from __future__ import annotations
+
+from fractions import Fraction
+from typing import NamedTuple
 
 import numpy as np
 
@@ -85,3 +94,195 @@ def max_delay(rule) -> int:
     return 0 if rule == "dp" else 1
   d = np.asarray(rule)
   return int(d.max()) if d.size else 0
+
+
+def is_causal(rule, num_workers: int, num_stages: int) -> bool:
+  """Whether every version ``rule`` reads exists in time on the rule's timeline.
+
+  ``dp`` runs in lockstep, where any delays ``>= 0`` are causal. Every other
+  rule runs on the cyclic timeline, where ``cdp-v2`` is the freshest causal
+  rule: a rule is causal iff its matrix is elementwise ``>=`` the ``cdp-v2``
+  matrix. ``cdp-v2-paper`` with ``N > J`` is not causal, for example.
+  """
+  if isinstance(rule, str) and rule == "dp":
+    return True
+  delays = resolve(rule, num_workers, num_stages)
+  return bool(np.all(delays >= delay_matrix("cdp-v2", num_workers, num_stages)))
+
+
+class Event(NamedTuple):
+  """One stage forward or backward on the timeline.
+
+  Attributes:
+    slot: exact start time, in slots (the event lasts one slot).
+    worker: ``i``, the worker running it.
+    step: ``t``, the training step of the micro-batch.
+    stage: ``j``, the model stage.
+    kind: ``"fwd"`` or ``"bwd"``.
+    version: index ``v`` of the parameters ``theta^j_v`` used; the backward uses
+      its forward's version.
+  """
+  slot: Fraction
+  worker: int
+  step: int
+  stage: int
+  kind: str
+  version: int
+
+
+def timeline(rule, num_workers: int, num_stages: int, num_steps: int, *,
+             lockstep: bool | None = None) -> list[Event]:
+  """Every stage forward and backward of ``num_steps`` steps, sorted by time.
+
+  Versions: ``dp`` reads ``theta_t``; ``cdp-v2`` reads, at each forward's start,
+  the newest version of its stage available then, computed from the timing
+  (stage ``j`` of ``theta_{t+1}`` becomes available when the last of the ``N``
+  backwards of stage ``j`` of step ``t`` completes); ``cdp-v1``,
+  ``cdp-v2-paper`` and explicit matrices read ``theta_{max(t - d[i, j], 0)}``.
+
+  Args:
+    rule: a name in ``RULES`` or an ``(N, J)`` integer delay matrix.
+    num_workers: ``N``.
+    num_stages: ``J``.
+    num_steps: number of training steps, ``>= 1``.
+    lockstep: start every worker at offset 0 (the DP timeline). Defaults to
+      ``True`` for ``dp`` only.
+
+  Returns:
+    ``Event``s sorted by ``(slot, worker, step, stage, kind)``.
+  """
+  delays = resolve(rule, num_workers, num_stages)
+  if int(num_steps) != num_steps or num_steps < 1:
+    raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}.")
+  if lockstep is None:
+    lockstep = isinstance(rule, str) and rule == "dp"
+  period = 2 * num_stages
+
+  def start(i, t):
+    return Fraction(t * period) + (0 if lockstep else Fraction(i * period, num_workers))
+
+  def fwd_slot(i, t, j):
+    return start(i, t) + j
+
+  def bwd_slot(i, t, j):
+    return start(i, t) + period - 1 - j
+
+  if isinstance(rule, str) and rule == "cdp-v2":
+    # ready[v][j]: when stage j of theta_{v+1} exists, i.e. when the last
+    # backward of stage j of step v completes.
+    ready = [[max(bwd_slot(i, v, j) for i in range(num_workers)) + 1
+              for j in range(num_stages)] for v in range(num_steps)]
+
+    def version(i, t, j):  # Ready times grow with v, so counting gives the newest.
+      return sum(1 for row in ready if row[j] <= fwd_slot(i, t, j))
+  else:
+
+    def version(i, t, j):
+      return max(t - int(delays[i, j]), 0)
+
+  events = []
+  for t in range(num_steps):
+    for i in range(num_workers):
+      for j in range(num_stages):
+        v = version(i, t, j)
+        events.append(Event(fwd_slot(i, t, j), i, t, j, "fwd", v))
+        events.append(Event(bwd_slot(i, t, j), i, t, j, "bwd", v))
+  return sorted(events)
+
+
+def delays_from_timeline(events, num_workers: int, num_stages: int) -> np.ndarray:
+  """The delay matrix a timeline realises: ``t - version`` at its last step.
+
+  The last step is the steady state once ``num_steps > D``: earlier steps may
+  read ``theta_0`` in place of an older, non-existent version.
+  """
+  _check_sizes(num_workers, num_stages)
+  last = max(e.step for e in events)
+  if last < 1:
+    raise ValueError("delays_from_timeline needs a timeline of at least 2 steps.")
+  delays = np.full((num_workers, num_stages), -1, dtype=np.int32)
+  for e in events:
+    if e.step == last and e.kind == "fwd":
+      delays[e.worker, e.stage] = last - e.version
+  if delays.min() < 0:
+    raise ValueError("The timeline misses forwards of some (worker, stage) pair at its last step.")
+  return delays
+
+
+class ActivationProfile(NamedTuple):
+  """Stage activations alive across all workers, on a grid of ``1/N`` slot.
+
+  Attributes:
+    times: float array, ``times[k] = k / N`` in slots.
+    alive: int array, the number of (worker, step, stage) activations alive
+      during ``[times[k], times[k] + 1/N)``; one activation is what one stage
+      stores for its backward, alive from the start of its forward to the end
+      of its backward.
+  """
+  times: np.ndarray
+  alive: np.ndarray
+
+
+class CommunicationProfile(NamedTuple):
+  """When gradient contributions arrive and stage reductions can start.
+
+  Attributes:
+    times: float array, ``times[k] = k / N`` in slots.
+    contributions: int array, the number of (worker, stage) gradient
+      contributions completed at exactly ``times[k]`` (one per backward, at its
+      end).
+    reduction_slots: float array of shape ``(num_steps, J)``: when the last of
+      the ``N`` contributions to stage ``j`` of step ``t`` arrives, in slots;
+      the stage's reduction (and so its update) can start then.
+  """
+  times: np.ndarray
+  contributions: np.ndarray
+  reduction_slots: np.ndarray
+
+
+def _ticks(slot: Fraction, num_workers: int) -> int:
+  """A time in grid units of ``1/N`` slot."""
+  ticks = slot * num_workers
+  if ticks.denominator != 1:
+    raise ValueError(f"Event time {slot} is not on the 1/{num_workers} slot grid.")
+  return int(ticks)
+
+
+def _check_events(events, num_workers: int, num_stages: int) -> None:
+  _check_sizes(num_workers, num_stages)
+  if not events:
+    raise ValueError("The timeline has no events.")
+  for e in events:
+    if not (0 <= e.worker < num_workers and 0 <= e.stage < num_stages):
+      raise ValueError(
+          f"{e} does not fit num_workers={num_workers}, num_stages={num_stages}; "
+          "pass the sizes the timeline was built with.")
+
+
+def activation_profile(events, num_workers: int, num_stages: int) -> ActivationProfile:
+  """Counts the stage activations alive over time; see ``ActivationProfile``."""
+  _check_events(events, num_workers, num_stages)
+  ends = [_ticks(e.slot + 1, num_workers) for e in events]
+  change = np.zeros(max(ends) + 1, dtype=np.int64)
+  for e, end in zip(events, ends):
+    if e.kind == "fwd":
+      change[_ticks(e.slot, num_workers)] += 1
+    else:
+      change[end] -= 1
+  alive = np.cumsum(change)[:-1]
+  return ActivationProfile(np.arange(alive.size) / num_workers, alive)
+
+
+def communication_profile(events, num_workers: int, num_stages: int) -> CommunicationProfile:
+  """Counts gradient contributions over time; see ``CommunicationProfile``."""
+  _check_events(events, num_workers, num_stages)
+  num_steps = max(e.step for e in events) + 1
+  backwards = [e for e in events if e.kind == "bwd"]
+  ends = [_ticks(e.slot + 1, num_workers) for e in backwards]
+  contributions = np.zeros(max(ends) + 1, dtype=np.int64)
+  reduction_ticks = np.full((num_steps, num_stages), -1, dtype=np.int64)
+  for e, end in zip(backwards, ends):
+    contributions[end] += 1
+    reduction_ticks[e.step, e.stage] = max(reduction_ticks[e.step, e.stage], end)
+  times = np.arange(contributions.size) / num_workers
+  return CommunicationProfile(times, contributions, reduction_ticks / num_workers)

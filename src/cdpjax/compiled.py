@@ -1,0 +1,176 @@
+"""Figures read from compiled XLA programs: collectives, memory and FLOPs.
+
+Counts are static: a collective inside a loop body (``lax.scan``) counts once,
+whatever the trip count. All figures are per device. Collectives are parsed from
+the HLO text by hand because jax exposes no public per-instruction API.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+"""Collective kinds, as XLA's HLO spells them."""
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([^\]]*)\]")
+_GROUPS = re.compile(  # {{0,1},{2,3}} or the iota form [2,4]<=[4,2]T(1,0).
+    r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_STABLEHLO = re.compile(
+    r"\bstablehlo\.(all_reduce|all_gather|reduce_scatter|collective_permute|all_to_all)\b")
+
+
+class Collective(NamedTuple):
+  """One collective instruction of a compiled HLO module.
+
+  Attributes:
+    name: the HLO instruction name.
+    kind: one of `KINDS`; async ``-start`` ops map to their base kind.
+    shape: the result shape text (of the ``-done`` op for async pairs).
+    bytes: bytes of that result, summed over tuple elements.
+    replica_groups: device groups, or None when the op has none.
+    source_target_pairs: ``(source, target)`` pairs of a collective-permute,
+      else None.
+    is_async: whether it is a ``-start``/``-done`` pair.
+  """
+  name: str
+  kind: str
+  shape: str
+  bytes: int
+  replica_groups: tuple[tuple[int, ...], ...] | None
+  source_target_pairs: tuple[tuple[int, int], ...] | None
+  is_async: bool
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+  """Splits ``SHAPE opcode(...)...`` into the shape and the remainder."""
+  if not rest.startswith("("):
+    shape, _, tail = rest.partition(" ")
+    return shape, tail
+  depth = 0  # Tuple shapes nest, and tiled layouts hold parentheses: match brackets.
+  for i, ch in enumerate(rest):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      return rest[:i + 1], rest[i + 1:].lstrip()
+  raise ValueError(f"Unbalanced HLO shape in {rest[:200]!r}.")
+
+
+def _element_bits(dtype: str) -> int:
+  if dtype == "pred":
+    return 8
+  if dtype == "token":
+    return 0
+  match = re.match(r"(?:bf|[fsuc])(\d+)", dtype)  # f32, bf16, s4, u8, c64, f8e4m3fn...
+  if not match:
+    raise ValueError(f"Unknown HLO element type {dtype!r}.")
+  return int(match.group(1))
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape such as ``f32[4,16]{1,0}`` or a tuple of them."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(shape):
+    count = math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d)
+    total += math.ceil(count * _element_bits(dtype) / 8)
+  return total
+
+
+def _replica_groups(attrs: str):
+  match = _GROUPS.search(attrs)
+  if not match:
+    return None
+  text = match.group(1)
+  if text.startswith("{"):
+    groups = re.findall(r"\{([\d,]*)\}", text)
+    return tuple(tuple(int(d) for d in g.split(",") if d) for g in groups)
+  # Iota form [G,S]<=[dims]T(perm): reshape, transpose, reshape.
+  out_dims, iota_dims, *perm = re.findall(r"[\[(]([\d,]+)[\])]", text)
+  to_ints = lambda s: [int(d) for d in s.split(",")]
+  ids = np.arange(math.prod(to_ints(iota_dims))).reshape(to_ints(iota_dims))
+  if perm:
+    ids = ids.transpose(to_ints(perm[0]))
+  return tuple(tuple(int(d) for d in g) for g in ids.reshape(to_ints(out_dims)))
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """The collectives of compiled HLO text, ``jit(f).lower(*a).compile().as_text()``."""
+  instructions = []
+  for line in hlo_text.splitlines():
+    match = any(kind in line for kind in KINDS) and _INSTRUCTION.match(line)
+    if match:
+      shape, tail = _split_shape(match.group("rest"))
+      opcode, _, after = tail.partition("(")
+      instructions.append((match.group("name"), shape, opcode, after))
+  # An async pair's payload is the result of its -done, whose operand is the -start.
+  done_shapes = {
+      _OPERAND.search(after).group(1): shape
+      for _, shape, opcode, after in instructions if opcode.endswith("-done")}
+  found = []
+  for name, shape, opcode, after in instructions:
+    kind = opcode.removesuffix("-start")
+    if kind not in KINDS:
+      continue
+    is_async = opcode.endswith("-start")
+    if is_async:
+      shape = done_shapes.get(name, shape)
+    pairs = _PAIRS.search(after)
+    found.append(Collective(
+        name=name, kind=kind, shape=shape, bytes=shape_bytes(shape),
+        replica_groups=_replica_groups(after),
+        source_target_pairs=pairs and tuple(
+            (int(s), int(t)) for s, t in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))),
+        is_async=is_async))
+  return found
+
+
+def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
+  """``{kind: {"count": n, "bytes": b}}`` over `KINDS` (zeros included) of compiled HLO."""
+  summary = {kind: {"count": 0, "bytes": 0} for kind in KINDS}
+  for c in collectives(hlo_text):
+    summary[c.kind]["count"] += 1
+    summary[c.kind]["bytes"] += c.bytes
+  return summary
+
+
+def stablehlo_collectives(lowered_text: str) -> dict[str, int]:
+  """``{kind: count}`` over `KINDS` of lowered StableHLO, ``jit(f).lower(*a).as_text()``.
+
+  This is the program as JAX emitted it, before XLA combines collectives. Kinds
+  use the HLO spelling (``all-reduce`` for ``stablehlo.all_reduce``).
+  """
+  counts = dict.fromkeys(KINDS, 0)
+  for op in _STABLEHLO.findall(lowered_text):
+    counts[op.replace("_", "-")] += 1
+  return counts
+
+
+def memory(compiled) -> dict[str, int]:
+  """Per-device byte counts from ``compiled.memory_analysis()``.
+
+  ``peak_bytes`` is the usual estimate argument + output + temp - alias
+  (aliased outputs reuse argument buffers); XLA reports no true peak.
+  """
+  stats = compiled.memory_analysis()
+  out = {
+      "argument_bytes": stats.argument_size_in_bytes,
+      "output_bytes": stats.output_size_in_bytes,
+      "temp_bytes": stats.temp_size_in_bytes,
+      "alias_bytes": stats.alias_size_in_bytes,
+      "generated_code_bytes": stats.generated_code_size_in_bytes,
+  }
+  out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
+                       - out["alias_bytes"])
+  return out
+
+
+def flops(compiled) -> float:
+  """FLOPs of a compiled program (0 when XLA counts none, e.g. pure data movement)."""
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
+    analysis = analysis[0]
+  return float((analysis or {}).get("flops", 0.0))

@@ -1,0 +1,126 @@
+"""The reference oracle: executes the timeline event by event on one device.
+
+A plain Python loop over ``schedule.timeline``. Each stage forward and backward
+runs at its slot, a stage is updated when the last of its ``N`` gradients of the
+step arrives, and a forward reads the parameter version its rule asks for from
+the versions this loop has produced so far. Slow and easy to audit: the engine's
+numbers are checked against it.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from cdpjax import schedule
+
+
+class Simulation(NamedTuple):
+  """What ``simulate`` returns.
+
+  Attributes:
+    params: ``theta_T``, the final parameters: a list of ``J`` stage pytrees.
+    losses: ``(T,)`` array, per step the mean over workers of the micro-batch
+      losses.
+    worker_losses: ``(T, N)`` array, the loss of each micro-batch at the view its
+      worker computed with.
+    history: ``[theta_0, ..., theta_T]``, each a list of ``J`` stage pytrees.
+  """
+  params: list
+  losses: np.ndarray
+  worker_losses: np.ndarray
+  history: list
+
+
+def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Sequence[Any],
+             tx: optax.GradientTransformation, batches: Sequence[Sequence[tuple]],
+             rule) -> Simulation:
+  """Runs ``len(batches)`` training steps of ``rule``, one timeline event at a time.
+
+  Events run in time order; a backward's gradient counts from its end (its
+  start slot + 1), so an update completed at a time is visible to a forward
+  starting at that time. For ``dp`` and ``cdp-v2`` a forward reads the newest
+  version of its stage produced by then, and the loop checks it is the version
+  ``schedule.timeline`` predicts; other rules read ``theta_{t - d[i, j]}``. A
+  rule that needs a version before the cyclic timeline produces it (e.g.
+  ``cdp-v2-paper`` with ``N > J``) runs in lockstep instead: same numbers, DP
+  timing.
+
+  Args:
+    stage_fns: ``J`` functions ``f_j(params_j, h) -> h``, in execution order;
+      stage 0 gets the micro-batch's ``x``.
+    loss_fn: ``loss_fn(out, y) -> scalar``, the mean loss of one micro-batch
+      given the last stage's output.
+    stage_params: ``J`` pytrees, ``theta_0`` per stage.
+    tx: an optax ``GradientTransformation``. Each stage keeps its own state
+      (``tx.init(params_j)``) and is updated with the mean over workers of its
+      gradient. That equals one global update for per-leaf transforms (SGD,
+      momentum, Adam, ...), not for transforms that couple stages, such as
+      global-norm clipping.
+    batches: per step, per worker, one ``(x, y)`` micro-batch.
+    rule: a name in ``schedule.RULES`` or an ``(N, J)`` integer delay matrix.
+
+  Returns:
+    A ``Simulation``.
+  """
+  num_stages, num_steps = len(stage_fns), len(batches)
+  if len(stage_params) != num_stages:
+    raise ValueError(
+        f"Got {len(stage_params)} stage_params for {num_stages} stage_fns; pass one "
+        "parameter pytree per stage.")
+  if num_steps < 1 or not batches[0]:
+    raise ValueError("batches must hold at least one step of at least one (x, y) micro-batch.")
+  num_workers = len(batches[0])
+  if any(len(step) != num_workers for step in batches):
+    raise ValueError(
+        f"Every step needs the same number of micro-batches (one per worker); got "
+        f"{[len(step) for step in batches]}.")
+  reads_newest = isinstance(rule, str) and rule in ("dp", "cdp-v2")
+  lockstep = None if schedule.is_causal(rule, num_workers, num_stages) else True
+  events = schedule.timeline(rule, num_workers, num_stages, num_steps, lockstep=lockstep)
+
+  versions = [[(Fraction(0), p)] for p in stage_params]  # Per stage: (ready slot, theta_v).
+  opt_states = [tx.init(p) for p in stage_params]
+  grad_sums = {}  # (step, stage) -> (count, sum of the workers' gradients).
+  vjps = {}  # (worker, step, stage) -> vjp holding the weights and input of the forward.
+  carry = {}  # (worker, step) -> activation going up or cotangent going down.
+  worker_losses = np.zeros((num_steps, num_workers))
+  for e in events:
+    j, key = e.stage, (e.worker, e.step)
+    if e.kind == "fwd":
+      ready = versions[j]
+      v = e.version
+      if reads_newest:
+        v = max(u for u, (slot, _) in enumerate(ready) if slot <= e.slot)
+        if v != e.version:
+          raise AssertionError(f"{e} read version {v} produced by the simulation.")
+      elif v >= len(ready) or ready[v][0] > e.slot:
+        raise AssertionError(f"{e} needs a version the simulation has not produced yet.")
+      x, y = batches[e.step][e.worker]
+      h = x if j == 0 else carry.pop(key)
+      out, vjps[key + (j,)] = jax.vjp(stage_fns[j], ready[v][1], h)
+      if j == num_stages - 1:
+        loss, carry[key] = jax.value_and_grad(loss_fn)(out, y)
+        worker_losses[e.step, e.worker] = loss
+      else:
+        carry[key] = out
+    else:
+      grad, cotangent = vjps.pop(key + (j,))(carry.pop(key))
+      if j > 0:
+        carry[key] = cotangent
+      count, total = grad_sums.pop((e.step, j), (0, None))
+      total = grad if total is None else jax.tree.map(jnp.add, total, grad)
+      if count + 1 < num_workers:
+        grad_sums[(e.step, j)] = (count + 1, total)
+        continue
+      theta = versions[j][e.step][1]
+      mean = jax.tree.map(lambda g: g / num_workers, total)
+      updates, opt_states[j] = tx.update(mean, opt_states[j], theta)
+      versions[j].append((e.slot + 1, optax.apply_updates(theta, updates)))
+
+  history = [[versions[j][t][1] for j in range(num_stages)] for t in range(num_steps + 1)]
+  return Simulation(history[-1], worker_losses.mean(axis=1), worker_losses, history)

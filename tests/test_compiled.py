@@ -1,0 +1,101 @@
+"""Collectives, memory and FLOPs read from small compiled programs on 8 CPU devices."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from cdpjax import compiled
+
+SHARD_BYTES = 4 * 16 * 4  # One device's f32[4, 16] shard of the f32[32, 16] input.
+ALL_DEVICES = (tuple(range(8)),)
+RING = tuple((i, (i + 1) % 8) for i in range(8))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((8,), ("data",))
+
+
+@pytest.fixture(scope="module")
+def x(mesh):
+  # make_mesh axes are Explicit: the input must already carry the sharding.
+  return jax.device_put(jnp.ones((32, 16)), NamedSharding(mesh, P("data")))
+
+
+def _lower(mesh, x, body, out_specs=P("data")):
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=out_specs)).lower(x)
+
+
+@pytest.mark.parametrize("body, out_specs, kind, nbytes, groups, pairs", [
+    (lambda a: jax.lax.psum(a, "data"), P(), "all-reduce", SHARD_BYTES, ALL_DEVICES, None),
+    (lambda a: jax.lax.ppermute(a, "data", RING), P("data"), "collective-permute", SHARD_BYTES,
+     None, RING),
+    (lambda a: jax.lax.all_gather(a, "data", tiled=True), P("data"), "all-gather",
+     8 * SHARD_BYTES, ALL_DEVICES, None),
+    (lambda a: jax.lax.psum_scatter(a, "data", scatter_dimension=1, tiled=True), P("data"),
+     "reduce-scatter", SHARD_BYTES // 8, ALL_DEVICES, None),
+], ids=["psum", "ppermute", "all_gather", "psum_scatter"])
+def test_one_collective(mesh, x, body, out_specs, kind, nbytes, groups, pairs):
+  lowered = _lower(mesh, x, body, out_specs)
+  hlo_text = lowered.compile().as_text()
+  (found,) = compiled.collectives(hlo_text)
+  assert (found.kind, found.bytes, found.replica_groups, found.source_target_pairs) == (
+      kind, nbytes, groups, pairs)
+  assert not found.is_async
+  summary = compiled.collective_summary(hlo_text)
+  assert summary == {k: {"count": int(k == kind), "bytes": nbytes * (k == kind)}
+                     for k in compiled.KINDS}
+  assert compiled.stablehlo_collectives(lowered.as_text()) == {
+      k: int(k == kind) for k in compiled.KINDS}
+
+
+def test_three_psums_are_three_stablehlo_all_reduces(mesh, x):
+  lowered = _lower(mesh, x, lambda a: sum(jax.lax.psum(a * c, "data") for c in (1., 2., 3.)), P())
+  assert compiled.stablehlo_collectives(lowered.as_text())["all-reduce"] == 3
+  # XLA may combine them into one tuple-shaped all-reduce; the bytes are unchanged.
+  assert compiled.collective_summary(lowered.compile().as_text())["all-reduce"]["bytes"] == (
+      3 * SHARD_BYTES)
+
+
+def test_memory_reads_the_per_device_shard(mesh, x):
+  stats = compiled.memory(_lower(mesh, x, lambda a: jnp.tanh(a) @ a.T @ a).compile())
+  assert stats["argument_bytes"] == SHARD_BYTES
+  assert stats["output_bytes"] == SHARD_BYTES
+  assert min(stats.values()) >= 0 and stats["peak_bytes"] > 0
+  assert stats["peak_bytes"] == (stats["argument_bytes"] + stats["output_bytes"]
+                                 + stats["temp_bytes"] - stats["alias_bytes"])
+
+
+def test_flops_of_a_matmul():
+  a, b = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 4), jnp.float32)
+  assert compiled.flops(jax.jit(jnp.matmul).lower(a, b).compile()) == 2 * 8 * 16 * 4
+
+
+# GPU-style async pairs (not emitted on CPU): operands typed, tiled layouts, iota groups.
+ASYNC_HLO = """
+  %ag-start = (f32[4,16]{1,0}, f32[32,16]{1,0}) all-gather-start(f32[4,16]{1,0} %p), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
+  %ag-done = f32[32,16]{1,0} all-gather-done((f32[4,16]{1,0}, f32[32,16]{1,0}) %ag-start)
+  %cp-start = (bf16[8]{0:T(128)}, bf16[8]{0}, u32[], u32[]) collective-permute-start(%q), source_target_pairs={{0,1},{1,0}}
+  %cp-done = bf16[8]{0} collective-permute-done(%cp-start)
+  ROOT %ar = (pred[3]{0}, s8[5]{0}) all-reduce(%r, %s), replica_groups={{0,1},{2,3}}, to_apply=%or
+  %gte = pred[3]{0} get-tuple-element(%ar), index=0, metadata={op_name="all-reduce(x)"}
+"""
+
+
+def test_async_pairs_count_once_with_the_done_payload():
+  found = compiled.collectives(ASYNC_HLO)
+  assert [(c.name, c.kind, c.bytes, c.is_async) for c in found] == [
+      ("ag-start", "all-gather", 32 * 16 * 4, True),
+      ("cp-start", "collective-permute", 8 * 2, True),
+      ("ar", "all-reduce", 3 + 5, False)]
+  assert found[0].replica_groups == ((0, 2, 4, 6), (1, 3, 5, 7))
+  assert found[1].source_target_pairs == ((0, 1), (1, 0))
+  assert found[2].replica_groups == ((0, 1), (2, 3))
+
+
+@pytest.mark.parametrize("shape, nbytes", [
+    ("f32[4,16]{1,0}", 256), ("bf16[3]", 6), ("f16[2,2]", 8), ("f64[2]", 16), ("s32[]", 4),
+    ("u32[2]", 8), ("pred[7]", 7), ("s8[3]", 3), ("u8[3]", 3), ("s4[3]", 2), ("c64[1]", 8),
+    ("f8e4m3fn[4]", 4), ("(f32[2], /*index=1*/u32[], token[])", 12), ("f32[<=8]", 32)])
+def test_shape_bytes(shape, nbytes):
+  assert compiled.shape_bytes(shape) == nbytes
