@@ -7,3 +7,8 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Programs that several tests compile (model init, evaluation, per-unit FLOPs)
+# are compiled once per session.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"cdpjax-test-jax-cache-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")

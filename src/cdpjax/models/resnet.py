@@ -75,18 +75,21 @@ class ResNet(nn.Module):
     num_classes: size of the output logits.
     stem: ``"cifar"`` (3x3 conv, stride 1, no max-pool) or ``"imagenet"``
       (7x7 conv, stride 2, then a 3x3 stride-2 max-pool).
+    width: filters of the stem and first stage (64 in the paper); smoke
+      configs shrink it to keep tests fast.
   """
   block_cls: type[nn.Module]
   stage_sizes: Sequence[int]
   num_classes: int
   stem: str = "cifar"
+  width: int = 64
 
   @nn.compact
   def __call__(self, x, train: bool):
     if self.stem == "cifar":
-      x = _conv(64, 3, name="stem_conv")(x)
+      x = _conv(self.width, 3, name="stem_conv")(x)
     elif self.stem == "imagenet":
-      x = _conv(64, 7, 2, name="stem_conv")(x)
+      x = _conv(self.width, 7, 2, name="stem_conv")(x)
     else:
       raise ValueError(f"Unknown stem {self.stem!r}. Use 'cifar' or 'imagenet'.")
     x = nn.relu(_batch_norm(train, "stem_bn")(x))
@@ -96,7 +99,7 @@ class ResNet(nn.Module):
     for stage, num_blocks in enumerate(self.stage_sizes):
       for i in range(num_blocks):
         strides = 2 if stage > 0 and i == 0 else 1
-        x = self.block_cls(64 * 2**stage, strides, name=f"block_{index}")(x, train)
+        x = self.block_cls(self.width * 2**stage, strides, name=f"block_{index}")(x, train)
         index += 1
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.num_classes, name="head")(x)

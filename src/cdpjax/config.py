@@ -1,0 +1,150 @@
+"""Config defaults, the ``get_config(arg)`` argument parser and validation.
+
+No JAX import here: the launcher reads the config before JAX starts, to set
+the emulated device count.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from cdpjax import schedule
+
+PARALLELISMS = ("data", "model", "zero")
+BACKENDS = ("shard_map", "pmap")
+LR_SCHEDULES = ("constant", "cosine", "step")
+STAGE_STRATEGIES = ("params", "flops", "blocks")
+
+
+def parse_arg(arg: str | None, **defaults):
+  """Parses ``"rule=cdp-v2,smoke"`` into a ConfigDict over ``defaults``.
+
+  A bare word sets a boolean default to True; values take the type of their
+  default. Unknown keys raise, so a typo fails loudly.
+  """
+  out = ml_collections.ConfigDict(defaults)
+  for item in filter(None, (arg or "").split(",")):
+    key, eq, value = item.partition("=")
+    if key not in defaults:
+      raise ValueError(f"Unknown config argument {key!r}; valid: {sorted(defaults)}.")
+    default = defaults[key]
+    if not eq:
+      if not isinstance(default, bool):
+        raise ValueError(f"Config argument {key!r} needs a value: {key}=...")
+      out[key] = True
+    elif isinstance(default, bool):
+      out[key] = value.lower() in ("1", "true", "yes")
+    else:
+      out[key] = type(default)(value)
+  return out
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Keys every config has, with the defaults of the digits quick start."""
+  c = ml_collections.ConfigDict()
+  c.dataset = "digits"
+  c.data_dir = ""  # tfds data_dir; "" = the tfds default.
+  c.model = "residual_mlp"
+  c.model_kwargs = ml_collections.ConfigDict({"width": 128, "hidden": 256, "num_blocks": 4})
+
+  c.rule = "cdp-v2"
+  c.parallelism = "data"
+  c.backend = "shard_map"
+  c.num_workers = 8
+  c.num_stages = 4
+  c.stage_strategy = "blocks"
+
+  c.per_worker_batch_size = 16
+  c.eval_batch_size = 128
+  c.num_epochs = 40.0
+  c.num_train_steps = -1  # -1: derived from num_epochs.
+
+  c.optimizer = "sgd"  # sgd (with momentum) or adam.
+  c.learning_rate = 0.05
+  c.momentum = 0.9
+  c.weight_decay = 0.0
+  c.lr_schedule = "cosine"
+  c.lr_decay_factor = 0.1
+  c.lr_decay_every_epochs = 30.0
+  c.warmup_epochs = 0.0
+
+  c.seed = 0
+  c.log_every_steps = 10
+  c.eval_every_steps = 100
+  c.checkpoint_every_steps = 200
+  c.keep_checkpoints = 3
+  return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the fix for a config that cannot run."""
+  if c.rule not in schedule.RULES:
+    raise ValueError(f"Unknown rule {c.rule!r}: set --config.rule to one of {', '.join(schedule.RULES)}.")
+  if c.parallelism not in PARALLELISMS:
+    raise ValueError(f"Unknown parallelism {c.parallelism!r}: use one of {PARALLELISMS}.")
+  if c.backend not in BACKENDS:
+    raise ValueError(f"Unknown backend {c.backend!r}: use one of {BACKENDS}.")
+  if c.lr_schedule not in LR_SCHEDULES:
+    raise ValueError(f"Unknown lr_schedule {c.lr_schedule!r}: use one of {LR_SCHEDULES}.")
+  if c.stage_strategy not in STAGE_STRATEGIES:
+    raise ValueError(f"Unknown stage_strategy {c.stage_strategy!r}: use one of {STAGE_STRATEGIES}.")
+  for key in ("num_workers", "num_stages", "per_worker_batch_size", "eval_batch_size",
+              "log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+    if c[key] < 1:
+      raise ValueError(f"--config.{key} must be >= 1, got {c[key]}.")
+  if c.num_train_steps < 1 and c.num_epochs <= 0:
+    raise ValueError("Set --config.num_train_steps >= 1 or --config.num_epochs > 0.")
+  if c.eval_batch_size % c.num_workers:
+    raise ValueError(
+        f"--config.eval_batch_size={c.eval_batch_size} must be a multiple of num_workers="
+        f"{c.num_workers} (evaluation is sharded over the workers).")
+  if c.parallelism in ("model", "zero") and c.num_workers != c.num_stages:
+    raise ValueError(
+        f"parallelism={c.parallelism!r} runs N = J micro-batches: set --config.num_workers equal "
+        f"to --config.num_stages (now {c.num_workers} and {c.num_stages}).")
+
+
+def num_devices(c: ml_collections.ConfigDict) -> int:
+  """Devices the run's mesh needs."""
+  return c.num_stages if c.parallelism == "model" else c.num_workers
+
+
+# The paper's recipes (Fournier & Oyallon 2024, section 5): 8 workers, 4 stages.
+PAPER_RECIPES = {
+    "cifar10": dict(per_worker_batch_size=64, learning_rate=0.05, weight_decay=5e-4,
+                    num_epochs=101.0, lr_decay_factor=0.2, lr_decay_every_epochs=30.0,
+                    stem="cifar", eval_batch_size=512),
+    "imagenet2012": dict(per_worker_batch_size=32, learning_rate=0.1, weight_decay=1e-4,
+                         num_epochs=91.0, lr_decay_factor=0.1, lr_decay_every_epochs=30.0,
+                         stem="imagenet", eval_batch_size=256),
+}
+
+
+def paper_config(dataset: str, model: str, arg: str | None) -> ml_collections.ConfigDict:
+  """A ResNet run of the paper, with ``rule=``, ``parallelism=`` and ``smoke``."""
+  arg = parse_arg(arg, rule="cdp-v2", parallelism="data", smoke=False)
+  recipe = dict(PAPER_RECIPES[dataset])
+  c = base_config()
+  c.dataset = dataset
+  c.model = model
+  c.model_kwargs = ml_collections.ConfigDict({"stem": recipe.pop("stem")})
+  c.rule = arg.rule
+  c.parallelism = arg.parallelism
+  c.stage_strategy = "flops"
+  c.optimizer = "sgd"
+  c.momentum = 0.9
+  c.lr_schedule = "step"
+  for key, value in recipe.items():
+    c[key] = value
+  c.log_every_steps = 50
+  c.eval_every_steps = 1000
+  c.checkpoint_every_steps = 1000
+  if arg.smoke:  # Two steps of a narrow ResNet on tiny batches: for tests and a first look.
+    c.model_kwargs.width = 8
+    c.per_worker_batch_size = 2
+    c.eval_batch_size = 16
+    c.num_train_steps = 2
+    c.log_every_steps = 1
+    c.eval_every_steps = 2
+    c.checkpoint_every_steps = 2
+  c.lock()
+  return c

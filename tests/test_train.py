@@ -1,0 +1,156 @@
+"""The trainer end to end: configs, data, checkpoints, resume, metrics, errors."""
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from cdpjax import main as launcher
+from cdpjax import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config(name, arg=None, **overrides):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config(arg)
+  for key, value in overrides.items():
+    c[key] = value
+  return c
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def train_losses(workdir):
+  return {m["step"]: m["train/loss"] for m in read_metrics(workdir) if "train/loss" in m}
+
+
+@pytest.mark.parametrize("rule", ["dp", "cdp-v1", "cdp-v2"])
+def test_cifar10_resnet18_two_steps_under_mock_data(rule, tmp_path):
+  c = load_config("cifar10_resnet18", f"rule={rule},smoke")
+  with tfds.testing.mock_data(num_examples=64):
+    summary = train.train_and_evaluate(c, str(tmp_path))
+  assert summary["final_step"] == 2
+  metrics = read_metrics(tmp_path)
+  losses = [m["train/loss"] for m in metrics if "train/loss" in m]
+  assert len(losses) == 2 and all(np.isfinite(losses))
+  assert {"train/learning_rate", "train/grad_norm_stage3", "train/param_norm"} <= set(metrics[0])
+  assert 0.0 <= metrics[-1]["eval/accuracy"] <= 1.0
+  assert json.load(open(tmp_path / "config.json"))["rule"] == rule
+  assert os.listdir(tmp_path / "tensorboard")
+  assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
+def test_digits_quick_start_learns(tmp_path):
+  summary = train.train_and_evaluate(load_config("digits"), str(tmp_path))
+  assert summary["final_accuracy"] >= 0.95
+  written = json.load(open(tmp_path / "summary.json"))
+  assert written["final_accuracy"] == pytest.approx(summary["final_accuracy"])
+  assert written["steps_per_second"] > 0
+
+
+def test_resume_three_plus_three_equals_six_straight_steps(tmp_path):
+  """cdp-v2 reads stale versions and momentum: all must come back exactly."""
+  overrides = dict(lr_schedule="constant", checkpoint_every_steps=3)
+  straight = tmp_path / "straight"
+  train.train_and_evaluate(load_config("digits", "smoke", num_train_steps=6, **overrides),
+                           str(straight))
+  resumed = tmp_path / "resumed"
+  train.train_and_evaluate(load_config("digits", "smoke", num_train_steps=3, **overrides),
+                           str(resumed))
+  summary = train.train_and_evaluate(
+      load_config("digits", "smoke", num_train_steps=6, **overrides), str(resumed))
+  assert summary["final_step"] == 6
+  a, b = train_losses(straight), train_losses(resumed)
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+  assert a == b  # Bit-for-bit: same data position, parameters, stale version, momentum.
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+  c = load_config("digits", "smoke", num_train_steps=100_000, eval_every_steps=100_000,
+                  checkpoint_every_steps=100_000)
+  metrics_file = tmp_path / "metrics.jsonl"
+
+  def preempt():  # Like a TPU VM's maintenance event, once training is under way.
+    deadline = time.time() + 300
+    while time.time() < deadline:
+      if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+      time.sleep(0.05)
+
+  threading.Thread(target=preempt, daemon=True).start()
+  summary = train.train_and_evaluate(c, str(tmp_path))
+  assert summary["preempted"]
+  assert 3 <= summary["final_step"] < 100_000
+  saved = sorted(int(p) for p in os.listdir(tmp_path / "checkpoints") if p.isdigit())
+  assert saved == [summary["final_step"]]
+
+
+class TestBadConfig:
+
+  def test_unknown_rule(self, tmp_path):
+    with pytest.raises(ValueError, match="Unknown rule 'cdp-v9'.*--config.rule"):
+      train.train_and_evaluate(load_config("digits", "smoke", rule="cdp-v9"), str(tmp_path))
+    with pytest.raises(ValueError, match="Unknown config argument 'rul'"):
+      load_config("digits", "rul=dp")
+
+  def test_locked_config_rejects_typos(self):
+    with pytest.raises(AttributeError):
+      load_config("digits").learning_rte = 0.1
+
+  def test_batch_not_divisible(self, tmp_path):
+    c = load_config("digits", "smoke", eval_batch_size=100)
+    with pytest.raises(ValueError, match="eval_batch_size=100 must be a multiple of num_workers=8"):
+      train.train_and_evaluate(c, str(tmp_path))
+
+  def test_more_stages_than_the_model_has(self, tmp_path):
+    c = load_config("digits", "smoke", num_stages=7, stage_strategy="params")
+    with pytest.raises(ValueError, match="Cannot split 6 units.*into 7 non-empty stages"):
+      train.train_and_evaluate(c, str(tmp_path))
+    c = load_config("digits", "smoke", num_stages=3)
+    with pytest.raises(ValueError, match="num_blocks .4. is a multiple of num_stages .3."):
+      train.train_and_evaluate(c, str(tmp_path))
+
+  def test_incompatible_checkpoint_is_refused(self, tmp_path):
+    train.train_and_evaluate(load_config("digits", "smoke", num_train_steps=2), str(tmp_path))
+    with pytest.raises(train.CheckpointMismatchError, match="rule: checkpoint 'cdp-v2', config 'dp'"):
+      train.train_and_evaluate(load_config("digits", "rule=dp,smoke"), str(tmp_path))
+
+  def test_non_finite_loss_names_the_step(self, tmp_path):
+    c = load_config("digits", "smoke", learning_rate=1e12, num_train_steps=30)
+    with pytest.raises(FloatingPointError, match="Non-finite training loss .* at step"):
+      train.train_and_evaluate(c, str(tmp_path))
+
+
+def test_launcher_keeps_a_device_count_the_user_set(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=16 --foo")
+  launcher.emulate_cpu_devices(8)
+  assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=16 --foo"
+  monkeypatch.setenv("XLA_FLAGS", "--foo")
+  launcher.emulate_cpu_devices(8)
+  assert os.environ["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=8"
+
+
+def test_console_launcher_emulates_the_devices_it_needs(tmp_path):
+  """The README's command, with no XLA_FLAGS: the launcher sets up 8 CPU devices."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run(
+      [sys.executable, "-m", "cdpjax.main", "--config", "configs/digits.py:smoke",
+       "--workdir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.load(open(tmp_path / "summary.json"))["final_step"] == 4
