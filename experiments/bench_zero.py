@@ -1,0 +1,193 @@
+"""CDP-ZeRO vs ZeRO-3 vs the replicated engine: memory, communication, balance, speed.
+
+For N = J in {2, 4, 8} workers on emulated CPU devices, the digits ResidualMLP
+(J blocks, one per stage) is trained with:
+
+- ``cyclic``: ``zero.make_train_step(schedule="cyclic")``, rule cdp-v2;
+- ``zero3``: ``zero.make_train_step(schedule="zero3")``, rule dp;
+- ``engine``: the replicated ``engine.make_train_step``, rule cdp-v2.
+
+Memory and communication are read from the compiled programs (per device);
+speed is a ratio to the engine measured in this run, steps interleaved, warm-up
+excluded, median of ``--steps`` steps. Run:
+
+  python experiments/bench_zero.py            # writes results/bench_zero.json
+  python experiments/bench_zero.py --quick    # a tiny configuration, seconds
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (after the device count is set)
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from cdpjax import compiled, engine, zero  # noqa: E402
+from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
+
+
+def bytes_sent_per_device(hlo_text: str, num_workers: int) -> np.ndarray:
+  """Bytes each device sends in one step, by the usual ring costs.
+
+  collective-permute: its buffer per pair the device sources; all-gather:
+  ``(G-1)/G`` of the result; reduce-scatter: ``G-1`` results; all-reduce:
+  ``2 (G-1)/G`` of the buffer (G: group size).
+  """
+  sent = np.zeros(num_workers)
+  for c in compiled.collectives(hlo_text):
+    if c.kind == "collective-permute":
+      for src, _ in c.source_target_pairs:
+        sent[src] += c.bytes
+      continue
+    groups = c.replica_groups or ((tuple(range(num_workers))),)
+    size = len(groups[0]) if groups[0] else num_workers
+    factor = {"all-gather": (size - 1) / size, "reduce-scatter": size - 1,
+              "all-reduce": 2 * (size - 1) / size, "all-to-all": (size - 1) / size}[c.kind]
+    sent += c.bytes * factor
+  return sent
+
+
+def state_bytes(tree) -> int:
+  """Bytes of one device's shards of ``tree``."""
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def build(num_workers, args):
+  """The three programs for N = J = ``num_workers``: ``{name: (call, state, batch, row)}``."""
+  num_blocks = num_workers
+  model = ResidualMLP(num_classes=10, width=args.width, hidden=4 * args.width,
+                      num_blocks=num_blocks)
+  rng = np.random.default_rng(0)
+  n = num_workers * args.per_worker
+  batch = {"image": rng.normal(size=(n, 8, 8, 1)).astype(np.float32),
+           "label": rng.integers(0, 10, n).astype(np.int32)}
+  variables = jax.jit(model.init)(jax.random.key(0), batch["image"][:1])
+  params = jax.tree.map(np.asarray, variables["params"])
+  mesh = jax.make_mesh((num_workers,), ("data",))
+  tx = optax.adam(1e-3)
+  programs = {}
+  for name, rule in (("cyclic", "cdp-v2"), ("zero3", "dp"), ("engine", "cdp-v2")):
+    if name == "engine":
+      def loss_fn(p, b):
+        logits = model.apply({"params": p}, b["image"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["label"]).mean()
+      stage_ids = {u: jax.tree.map(lambda _, s=(0 if u == "embed" else num_workers - 1
+                                                 if u == "head" else int(u[6:])): s, params[u])
+                   for u in params}
+      step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh)
+      state = engine.init_state(params, tx, rule=rule)
+    else:
+      step = zero.make_train_step(tx, rule=rule, mesh=mesh, num_blocks=num_blocks, schedule=name)
+      state = zero.init_state(params, tx, rule=rule, mesh=mesh, num_blocks=num_blocks)
+    state, device_batch = step.prepare(state, batch)
+    start = time.perf_counter()
+    executable = step.lower(state, device_batch).compile()
+    compile_s = time.perf_counter() - start
+    hlo = executable.as_text()
+    memory = compiled.memory(executable)
+    summary = {k: v for k, v in compiled.collective_summary(hlo).items() if v["count"]}
+    stale = getattr(state, "stale_params", ())
+    row = {
+        "num_workers": num_workers, "num_stages": num_workers, "schedule": name, "rule": rule,
+        "compile_s": round(compile_s, 2),
+        "memory": {
+            "parameters": state_bytes((state.params, stale)),
+            "optimizer": state_bytes(state.opt_state),
+            "temporaries": memory["temp_bytes"],
+            "argument_bytes": memory["argument_bytes"],
+            "peak_bytes": memory["peak_bytes"],
+        },
+        "collectives": summary,
+    }
+    sent = bytes_sent_per_device(hlo, num_workers)
+    row["bytes_per_device_per_step"] = int(sent.max())  # The busiest device.
+    row["bytes_per_device_per_step_mean"] = float(sent.mean())
+    row["memory"]["model_states"] = row["memory"]["parameters"] + row["memory"]["optimizer"]
+    if name == "engine":  # All J all-reduces run together after the backward.
+      row["max_slot_bytes_per_device"] = row["bytes_per_device_per_step"]
+      row["max_slot_bytes"] = row["bytes_per_device_per_step"] * num_workers
+    else:
+      stage_bytes = 4 * state.layout.stage_size
+      traffic = zero.slot_traffic(name, num_workers, stage_bytes, rule=rule)
+      row["max_slot_bytes_per_device"] = traffic["max_slot_bytes_per_device"]
+      row["max_slot_bytes"] = traffic["max_slot_bytes"]
+      row["num_slots"] = traffic["num_slots"]
+    programs[name] = (executable, state, device_batch, row)
+  return programs
+
+
+def time_steps(programs, args):
+  """Median step seconds per program, steps interleaved so drift hits all alike."""
+  states = {name: p[1] for name, p in programs.items()}
+  times = {name: [] for name in programs}
+  for it in range(args.warmup + args.steps):
+    for name, (executable, _, batch, _) in programs.items():
+      start = time.perf_counter()
+      states[name], out = executable(states[name], batch)
+      jax.block_until_ready((states[name], out))
+      if it >= args.warmup:
+        times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="N=2, tiny model, few steps.")
+  parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
+  parser.add_argument("--width", type=int, default=128)
+  parser.add_argument("--per-worker", type=int, default=32)
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--out", default="results")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.workers, args.width, args.per_worker, args.steps, args.warmup = [2], 16, 4, 3, 1
+  rows, goals = [], {}
+  for num_workers in args.workers:
+    if num_workers > jax.device_count():
+      sys.exit(f"N={num_workers} needs {num_workers} devices, found {jax.device_count()}.")
+    programs = build(num_workers, args)
+    medians = time_steps(programs, args)
+    by_name = {name: p[3] for name, p in programs.items()}
+    for name, row in by_name.items():
+      row["step_time_s"] = medians[name]
+      row["step_time_ratio"] = medians[name] / medians["engine"]
+      rows.append(row)
+    cyc, z3, eng = by_name["cyclic"], by_name["zero3"], by_name["engine"]
+    goals[str(num_workers)] = {
+        "only_point_to_point": set(cyc["collectives"]) <= {"collective-permute"},
+        "bytes_vs_zero3": cyc["bytes_per_device_per_step"] / z3["bytes_per_device_per_step"],
+        "mean_bytes_vs_zero3": (cyc["bytes_per_device_per_step_mean"]
+                                / z3["bytes_per_device_per_step_mean"]),
+        "model_states_vs_engine_times_n": (cyc["memory"]["model_states"] * num_workers
+                                           / eng["memory"]["model_states"]),
+        "max_slot_bytes_vs_zero3": cyc["max_slot_bytes"] / z3["max_slot_bytes"],
+    }
+  result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "runs": rows,
+            "goals": goals, "devices": jax.device_count(), "backend": jax.default_backend()}
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, "bench_zero_quick.json" if args.quick else "bench_zero.json")
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  header = (f"{'N':>2} {'schedule':>8} {'params':>9} {'optim':>9} {'temp':>9} "
+            f"{'collectives':<34} {'sent/dev':>9} {'max slot':>9} {'step ms':>8} {'ratio':>5}")
+  print(header)
+  for r in rows:
+    kinds = ", ".join(f"{v['count']} {k}" for k, v in r["collectives"].items())
+    m = r["memory"]
+    print(f"{r['num_workers']:>2} {r['schedule']:>8} {m['parameters']:>9} {m['optimizer']:>9} "
+          f"{m['temporaries']:>9} {kinds:<34} {r['bytes_per_device_per_step']:>9} "
+          f"{r['max_slot_bytes']:>9} {1e3 * r['step_time_s']:>8.2f} {r['step_time_ratio']:>5.2f}")
+  print("goals:", json.dumps(goals))
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()
