@@ -1,0 +1,66 @@
+"""What the experiment scripts share: flags, the results folder and JSON output."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+import json
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def parser(name: str, doc: str) -> argparse.ArgumentParser:
+  """An argument parser with ``--results_dir`` (default ``results/<name>``) and ``--quick``."""
+  p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--results_dir", default=str(REPO / "results" / name),
+                 help=f"Folder for the JSON and PNG outputs (default: results/{name}).")
+  p.add_argument("--quick", action="store_true", help="A tiny run for smoke tests.")
+  return p
+
+
+def results_dir(args) -> pathlib.Path:
+  path = pathlib.Path(args.results_dir)
+  path.mkdir(parents=True, exist_ok=True)
+  return path
+
+
+def write_json(path: pathlib.Path, obj) -> None:
+  path.write_text(json.dumps(obj, indent=2, default=float) + "\n")
+
+
+def emulate_cpu_devices(count: int) -> None:
+  """``count`` CPU devices unless ``XLA_FLAGS`` sets a count; call before importing JAX."""
+  from cdpjax.main import emulate_cpu_devices as emulate  # pylint: disable=g-import-not-at-top
+  emulate(count)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def interleaved_step_times(programs: dict, batch, *, steps: int, warmup: int) -> dict:
+  """Median seconds per step of each ``name: (step_fn, state)``.
+
+  One step of each program in turn, so machine drift hits all of them alike;
+  the first ``warmup`` rounds are not timed.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  states = {name: state for name, (_, state) in programs.items()}
+  times = {name: [] for name in programs}
+  for it in range(warmup + steps):
+    for name, (step, _) in programs.items():
+      start = time.perf_counter()
+      states[name], metrics = step(states[name], batch)
+      jax.block_until_ready((states[name], metrics))
+      if it >= warmup:
+        times[name].append(time.perf_counter() - start)
+  return {name: float(statistics.median(t)) for name, t in times.items()}
+
+
+def machine() -> dict:
+  """What the figures were measured on."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+          "platform": platform.platform(), "jax": jax.__version__,
+          "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+          "date": time.strftime("%Y-%m-%d")}

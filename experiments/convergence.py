@@ -1,0 +1,166 @@
+"""Delayed vs synchronous gradient descent on least squares, where the optimum is known.
+
+The problem: ``f(theta) = 1/(2m) ||X theta - Y||_F^2`` on the digits pixels
+(standardised, plus a bias column) with one-hot targets; ``theta*`` from
+``numpy.linalg.lstsq``. ``theta``'s feature rows are cut into ``J`` stages
+and trained by the real ``cdpjax.engine`` (plain SGD, 8 emulated devices, each
+worker a fixed ``m/N`` rows, so every step is a full-batch step) with ``dp``,
+``cdp-v1`` and ``cdp-v2``, for learning rates given as fractions of ``2/L``
+(``L`` the Hessian's largest eigenvalue). It records ``f(theta_t) - f*``.
+
+Theory for a quadratic: synchronous GD is stable for ``lr < 2/L``; with every
+stage one step late (``cdp-v1``, PipeDream-2BW's delay) the iteration
+``theta_{t+1} = theta_t - lr grad f(theta_{t-1})`` is stable only for
+``lr < 1/L``. Writes ``convergence.json`` and ``convergence.png``:
+
+  python experiments/convergence.py              # 7 learning rates x 400 steps
+  python experiments/convergence.py --quick
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+import _common
+from cdpjax.main import emulate_cpu_devices
+
+RULES = ("dp", "cdp-v1", "cdp-v2")
+LR_FRACTIONS = (0.1, 0.25, 0.45, 0.55, 0.75, 0.9, 0.99)  # Of 2/L.
+DIVERGED = 1e6  # A gap this many times the initial one counts as diverged.
+
+
+def least_squares_problem(num_rows: int):
+  """``(X [m, F], Y [m, 10])`` from the digits pixels; constant pixels dropped."""
+  from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  pixels, labels = datasets.load_digits(return_X_y=True)
+  pixels, labels = pixels[:num_rows], labels[:num_rows]
+  pixels = pixels[:, pixels.std(0) > 0]
+  x = (pixels - pixels.mean(0)) / pixels.std(0)
+  x = np.concatenate([x, np.ones((len(x), 1))], axis=1)
+  return x.astype(np.float32), np.eye(10, dtype=np.float32)[labels]
+
+
+def objective(x, y, theta) -> float:
+  r = x.astype(np.float64) @ theta - y
+  return 0.5 * float(np.sum(r * r)) / len(x)
+
+
+def split_rows(num_features: int, num_stages: int) -> list[slice]:
+  edges = np.linspace(0, num_features, num_stages + 1).round().astype(int)
+  return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def main(argv=None) -> dict:
+  p = _common.parser("convergence", __doc__)
+  p.add_argument("--num_workers", type=int, default=8)
+  p.add_argument("--num_stages", type=int, default=4)
+  p.add_argument("--num_steps", type=int, default=400)
+  p.add_argument("--lr_fractions", default=",".join(map(str, LR_FRACTIONS)),
+                 help="Learning rates as fractions of 2/L, comma-separated.")
+  args = p.parse_args(argv)
+  if args.quick:
+    args.num_steps, args.lr_fractions = 5, "0.45,0.75"
+  n, j = args.num_workers, args.num_stages
+  out = _common.results_dir(args)
+  emulate_cpu_devices(n)
+  import jax  # pylint: disable=g-import-not-at-top  (JAX starts here)
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from cdpjax import engine  # pylint: disable=g-import-not-at-top
+
+  x, y = least_squares_problem(1797 // n * n)
+  theta_star = np.linalg.lstsq(x.astype(np.float64), y, rcond=None)[0]
+  f_star = objective(x, y, theta_star)
+  lipschitz = float(np.linalg.eigvalsh(x.T.astype(np.float64) @ x / len(x)).max())
+  rows = split_rows(x.shape[1], j)
+  names = [f"stage{s}" for s in range(j)]
+  mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+  batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
+
+  def loss_fn(params, b):
+    pred = sum(b["x"][:, r] @ params[name] for r, name in zip(rows, names))
+    return 0.5 * jnp.mean(jnp.sum(jnp.square(pred - b["y"]), axis=1))
+
+  # The rate lives in the optimizer state, so one compiled step per rule serves every rate.
+  sgd = optax.inject_hyperparams(optax.sgd)
+  init = {name: np.zeros((r.stop - r.start, y.shape[1]), np.float32)
+          for r, name in zip(rows, names)}
+  fractions = [float(v) for v in args.lr_fractions.split(",")]
+  runs = []
+  for rule in RULES:
+    step = engine.make_train_step(loss_fn, sgd(learning_rate=0.0), rule=rule, mesh=mesh,
+                                  stage_ids={name: s for s, name in enumerate(names)})
+    for fraction in fractions:
+      lr = 2 * fraction / lipschitz
+      state = engine.init_state(init, sgd(learning_rate=lr), rule=rule)
+      gaps = [objective(x, y, np.concatenate([init[k] for k in names])) - f_star]
+      for _ in range(args.num_steps):
+        state, _ = step(state, batch)
+        theta = np.concatenate([np.asarray(state.params[k], np.float64) for k in names])
+        gaps.append(objective(x, y, theta) - f_star)
+        if not math.isfinite(gaps[-1]) or gaps[-1] > DIVERGED * gaps[0]:
+          break
+      diverged = not math.isfinite(gaps[-1]) or gaps[-1] > gaps[0]
+      runs.append({"rule": rule, "lr_fraction_of_2_over_L": fraction, "lr": lr,
+                   "lr_times_L": lr * lipschitz, "gaps": gaps, "diverged": diverged,
+                   "final_gap": gaps[-1]})
+      print(f"{rule:7s} lr*L={lr * lipschitz:5.2f}: "
+            + ("diverged" if diverged else f"gap {gaps[-1]:.3e}"), flush=True)
+
+  result = {"problem": "least squares, digits pixels -> one-hot", "rows": len(x),
+            "features": x.shape[1], "num_workers": n, "num_stages": j, "f_star": f_star,
+            "L": lipschitz, "num_steps": args.num_steps, "runs": runs,
+            "stability_limit_lr_times_L": stability_limits(runs)}
+  _common.write_json(out / "convergence.json", result)
+  plot(runs, fractions, out / "convergence.png", n, j)
+  print(table(runs, fractions))
+  return result
+
+
+def stability_limits(runs) -> dict:
+  """Per rule, the largest ``lr * L`` tried that did not diverge."""
+  return {rule: max((r["lr_times_L"] for r in runs if r["rule"] == rule and not r["diverged"]),
+                    default=None) for rule in RULES}
+
+
+def table(runs, fractions) -> str:
+  lines = ["| lr * L | " + " | ".join(f"{r} gap" for r in RULES) + " |",
+           "|---|" + "---|" * len(RULES)]
+  for fraction in fractions:
+    cells = []
+    for rule in RULES:
+      (r,) = [r for r in runs if r["rule"] == rule and r["lr_fraction_of_2_over_L"] == fraction]
+      cells.append("diverged" if r["diverged"] else f"{r['final_gap']:.2e}")
+    lines.append(f"| {2 * fraction:.2f} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def plot(runs, fractions, path, n: int, j: int) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, len(RULES), figsize=(5 * len(RULES), 3.8), sharey=True)
+  colors = plt.get_cmap("viridis")(np.linspace(0, 0.95, len(fractions)))
+  for ax, rule in zip(axes, RULES):
+    for color, fraction in zip(colors, fractions):
+      (r,) = [r for r in runs if r["rule"] == rule and r["lr_fraction_of_2_over_L"] == fraction]
+      gaps = np.maximum(np.asarray(r["gaps"], float), 1e-12)
+      ax.semilogy(gaps, color=color, ls="--" if r["diverged"] else "-",
+                  label=f"lr·L = {2 * fraction:.2f}" + (" (diverges)" if r["diverged"] else ""))
+    ax.set_title(rule)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.set_ylim(top=max(np.max(np.asarray(r["gaps"][:1])) for r in runs) * 100)
+  axes[0].set_ylabel("f(theta_t) - f*")
+  axes[-1].legend(fontsize=7, loc="lower left")
+  fig.suptitle(f"Least squares on digits, full-batch GD via cdpjax.engine, N = {n}, J = {j}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

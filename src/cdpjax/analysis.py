@@ -1,0 +1,558 @@
+"""A cost model of DP, pipelines, ZeRO and CDP: devices, memory, communication, bubble, staleness.
+
+Everything is derived, not measured: memory from the state each strategy keeps
+and from the activation lifetimes on its timeline, communication from the
+collectives it issues, priced with the alpha-beta model of Ben-Nun & Hoefler
+(2019): a message of ``M`` bytes costs ``alpha + beta * M``; over ``n``
+devices a ring all-reduce costs ``2(n-1) alpha + 2(n-1)/n beta M``, a ring
+all-gather or reduce-scatter ``(n-1) alpha + (n-1)/n beta M``.
+
+Time is the slot model of ``cdpjax.schedule``: a stage forward or backward of
+one micro-batch takes one slot. DP, CDP, ZeRO and DP+MP read their activation
+lifetimes off ``schedule.timeline`` (DP in lockstep, CDP on the cyclic
+timeline); GPipe and 1F1B off a list schedule of their per-device op orders.
+
+Notation: ``N`` workers (= micro-batches per step), ``J`` stages, ``P_j``
+parameter bytes of stage ``j`` (``Psi_P = sum P_j``), ``A_j`` activation bytes
+stage ``j`` stores for its backward per micro-batch (``Psi_A = sum A_j``), ``k``
+optimizer bytes per parameter byte (1 for momentum, 2 for Adam).
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from cdpjax import schedule
+
+
+class Workload(NamedTuple):
+  """What one model costs, per stage.
+
+  Attributes:
+    stage_param_bytes: ``P_j``, parameter bytes of each stage.
+    stage_activation_bytes: ``A_j``, bytes stage ``j`` keeps from its forward
+      to its backward, for one micro-batch.
+    boundary_bytes: bytes of the tensor stage ``j`` sends to stage ``j+1``
+      (and of the cotangent sent back), per micro-batch; ``J - 1`` entries.
+    optimizer_factor: ``k``, optimizer-state bytes per parameter byte.
+  """
+  stage_param_bytes: tuple
+  stage_activation_bytes: tuple
+  boundary_bytes: tuple
+  optimizer_factor: float
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stage_param_bytes)
+
+  @property
+  def param_bytes(self) -> float:
+    return float(sum(self.stage_param_bytes))
+
+  @property
+  def activation_bytes(self) -> float:
+    return float(sum(self.stage_activation_bytes))
+
+
+def _per_stage(value, num_stages: int, name: str) -> tuple:
+  if np.ndim(value) == 0:
+    return (float(value) / num_stages,) * num_stages
+  if len(value) != num_stages:
+    raise ValueError(f"{name} has {len(value)} entries; give one per stage ({num_stages}) "
+                     "or a total to split evenly.")
+  return tuple(float(v) for v in value)
+
+
+def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor: float = 1.0,
+             boundary_bytes=None) -> Workload:
+  """A ``Workload`` from totals (split evenly over stages) or per-stage sequences.
+
+  Args:
+    param_bytes: ``Psi_P`` or ``[P_0, ..., P_{J-1}]``.
+    activation_bytes: ``Psi_A`` (per micro-batch) or ``[A_0, ..., A_{J-1}]``.
+    num_stages: ``J``.
+    optimizer_factor: ``k`` (0 for plain SGD, 1 for momentum, 2 for Adam).
+    boundary_bytes: one number for every stage boundary or ``J - 1`` numbers;
+      defaults to ``A_{j+1}`` (a stage stores just its input, as with
+      recomputation).
+  """
+  if int(num_stages) != num_stages or num_stages < 1:
+    raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
+  params = _per_stage(param_bytes, num_stages, "param_bytes")
+  acts = _per_stage(activation_bytes, num_stages, "activation_bytes")
+  if boundary_bytes is None:
+    boundary = acts[1:]
+  elif np.ndim(boundary_bytes) == 0:
+    boundary = (float(boundary_bytes),) * (num_stages - 1)
+  else:
+    boundary = tuple(float(b) for b in boundary_bytes)
+    if len(boundary) != num_stages - 1:
+      raise ValueError(
+          f"boundary_bytes has {len(boundary)} entries; need J - 1 = {num_stages - 1}.")
+  return Workload(params, acts, boundary, float(optimizer_factor))
+
+
+class Network(NamedTuple):
+  """Alpha-beta link model: ``alpha`` seconds per message, ``beta`` seconds per byte.
+
+  The defaults (5 us, 100 Gb/s) are illustrative, not measured.
+  """
+  alpha: float = 5e-6
+  beta: float = 8 / 100e9
+
+
+def p2p_time(nbytes: float, net: Network) -> float:
+  return net.alpha + net.beta * nbytes
+
+
+def all_reduce_time(n: int, nbytes: float, net: Network) -> float:
+  """Ring all-reduce of ``nbytes`` over ``n`` devices."""
+  return 0.0 if n == 1 else 2 * (n - 1) * net.alpha + 2 * (n - 1) / n * net.beta * nbytes
+
+
+def all_gather_time(n: int, nbytes: float, net: Network) -> float:
+  """Ring all-gather (or reduce-scatter) of a ``nbytes`` buffer over ``n`` devices."""
+  return 0.0 if n == 1 else (n - 1) * net.alpha + (n - 1) / n * net.beta * nbytes
+
+
+class Communication(NamedTuple):
+  """One kind of traffic of a strategy, per training step.
+
+  Attributes:
+    kind: ``all-reduce``, ``all-gather``, ``reduce-scatter`` or ``p2p``.
+    what: ``gradients``, ``parameters`` or ``activations`` (with cotangents).
+    group: devices taking part in one operation.
+    ops: operations per step on the busiest device.
+    payload_bytes: bytes of those operations' results on that device, as the
+      compiled HLO counts them (an all-gather's gathered buffer, a
+      reduce-scatter's shard, a p2p message).
+    sent_bytes: bytes that device sends per step (ring algorithms).
+    total_bytes: bytes sent per step over all devices.
+    time_s: alpha-beta time of that device's operations, none overlapped.
+  """
+  kind: str
+  what: str
+  group: int
+  ops: int
+  payload_bytes: float
+  sent_bytes: float
+  total_bytes: float
+  time_s: float
+
+
+class Memory(NamedTuple):
+  """Bytes held, per device or summed over devices.
+
+  Attributes:
+    params: parameters, stale versions included.
+    grads: gradient buffers kept over the step.
+    optimizer: optimizer state.
+    buffers: transient stage buffers (gathered or received parameters and
+      gradient partial sums of ZeRO-2/3 and CDP+ZeRO).
+    activations_peak: the most activation bytes alive at once.
+    activations_mean: activation bytes alive, averaged over a steady-state step.
+  """
+  params: float
+  grads: float
+  optimizer: float
+  buffers: float
+  activations_peak: float
+  activations_mean: float
+
+  @property
+  def model_states(self) -> float:
+    return self.params + self.grads + self.optimizer + self.buffers
+
+  @property
+  def peak(self) -> float:
+    return self.model_states + self.activations_peak
+
+
+class Cost(NamedTuple):
+  """The derived costs of one strategy.
+
+  Attributes:
+    strategy: the name in ``STRATEGIES``.
+    devices: devices the strategy needs.
+    per_device: memory of the device with the largest peak.
+    total: memory summed over devices; ``activations_peak`` is the peak of
+      the sum over time (not the sum of per-device peaks).
+    communication: the step's traffic, one entry per kind.
+    grad_ready_peak: the largest fraction of the step's gradient
+      contributions (bytes, all workers) that become ready within one slot;
+      None where gradients are not communicated.
+    step_slots: slots between the starts of consecutive steps (steady state).
+    bubble: idle fraction of the busiest device's slots.
+    max_staleness: the largest delay ``d[i, j]`` (steps).
+    stale_fraction: the fraction of (worker, stage) pairs computed on stale
+      parameters.
+  """
+  strategy: str
+  devices: int
+  per_device: Memory
+  total: Memory
+  communication: tuple
+  grad_ready_peak: float | None
+  step_slots: int
+  bubble: float
+  max_staleness: int
+  stale_fraction: float
+
+  @property
+  def comm_time_s(self) -> float:
+    return sum(c.time_s for c in self.communication)
+
+  @property
+  def comm_sent_bytes(self) -> float:
+    return sum(c.sent_bytes for c in self.communication)
+
+
+# -- Timelines and activation lifetimes ------------------------------------------
+
+
+def list_schedule(orders: Sequence[Sequence[tuple[str, int]]]) -> list[schedule.Event]:
+  """Times the per-device op orders of one pipelined step; device ``j`` is stage ``j``.
+
+  Each op ``("fwd" | "bwd", micro_batch)`` takes one slot and starts as soon
+  as its device is free and its input exists: the forward of stage ``j-1`` or
+  the backward of stage ``j+1`` (stage ``J-1``: its own forward).
+
+  Returns:
+    ``schedule.Event``s with ``worker`` = micro-batch, ``step`` = version = 0.
+  """
+  num_stages = len(orders)
+  done: dict[tuple[str, int, int], int] = {}
+  free, pos, events = [0] * num_stages, [0] * num_stages, []
+  while any(pos[j] < len(orders[j]) for j in range(num_stages)):
+    progressed = False
+    for j in range(num_stages):
+      if pos[j] == len(orders[j]):
+        continue
+      kind, m = orders[j][pos[j]]
+      if kind == "fwd":
+        dep = ("fwd", m, j - 1) if j > 0 else None
+      else:
+        dep = ("bwd", m, j + 1) if j < num_stages - 1 else ("fwd", m, j)
+      if dep is not None and dep not in done:
+        continue
+      start = max(free[j], done[dep] if dep else 0)
+      done[(kind, m, j)] = free[j] = start + 1
+      events.append(schedule.Event(Fraction(start), m, 0, j, kind, 0))
+      pos[j] += 1
+      progressed = True
+    if not progressed:
+      raise ValueError("The op orders deadlock: a device waits for an op that never runs.")
+  return sorted(events)
+
+
+def gpipe_orders(num_micro: int, num_stages: int) -> list[list[tuple[str, int]]]:
+  """GPipe: every device runs all forwards, then all backwards."""
+  return [[("fwd", m) for m in range(num_micro)] + [("bwd", m) for m in range(num_micro)]
+          for _ in range(num_stages)]
+
+
+def one_f_one_b_orders(num_micro: int, num_stages: int) -> list[list[tuple[str, int]]]:
+  """1F1B (PipeDream-Flush): ``J-1-j`` warm-up forwards, then alternate, then drain."""
+  orders = []
+  for j in range(num_stages):
+    warm = min(num_stages - 1 - j, num_micro)
+    order = [("fwd", m) for m in range(warm)]
+    for m in range(num_micro - warm):
+      order += [("fwd", warm + m), ("bwd", m)]
+    orders.append(order + [("bwd", m) for m in range(num_micro - warm, num_micro)])
+  return orders
+
+
+class DeviceProfile(NamedTuple):
+  """Activation bytes alive over a window: per device ``[num_devices]`` and summed over devices."""
+  peak: np.ndarray
+  mean: np.ndarray
+  total_peak: float
+  total_mean: float
+
+
+def activation_bytes_profile(events, stage_bytes, device_of: Callable[[schedule.Event], int],
+                             num_devices: int, window: tuple, ticks_per_slot: int) -> DeviceProfile:
+  """Activation bytes alive per device over ``[window[0], window[1])`` slots.
+
+  An activation of stage ``j`` (``stage_bytes[j]``) lives from the start of its
+  forward to the end of its backward, on the device ``device_of(forward)``.
+  """
+  lo, hi = (int(Fraction(w) * ticks_per_slot) for w in window)
+  change = np.zeros((num_devices, hi - lo + 1))
+  forwards = {(e.worker, e.step, e.stage): e for e in events if e.kind == "fwd"}
+  for e in events:
+    if e.kind != "bwd":
+      continue
+    f = forwards[(e.worker, e.step, e.stage)]
+    a = int(f.slot * ticks_per_slot)
+    b = int((e.slot + 1) * ticks_per_slot)
+    a, b = max(a, lo), min(b, hi)
+    if a < b:
+      change[device_of(f), a - lo] += stage_bytes[e.stage]
+      change[device_of(f), b - lo] -= stage_bytes[e.stage]
+  alive = np.cumsum(change, axis=1)[:, :-1]
+  total = alive.sum(0)
+  return DeviceProfile(alive.max(1), alive.mean(1), float(total.max()), float(total.mean()))
+
+
+def _steady_timeline(rule, num_workers: int, num_stages: int):
+  """A 3-step timeline and its steady-state window (the middle step's period)."""
+  events = schedule.timeline(rule, num_workers, num_stages, 3)
+  period = 2 * num_stages
+  return events, (period, 2 * period)
+
+
+def grad_ready_peak(events, stage_param_bytes, num_workers: int, window: tuple) -> float:
+  """The largest fraction of a step's gradient bytes (``N * Psi_P``) ready within one slot.
+
+  A backward of stage ``j`` makes ``P_j`` bytes of gradient ready when it
+  ends; windows of one slot slide over the ``1/N`` slot grid of ``window``.
+  """
+  lo, hi = (int(Fraction(w) * num_workers) for w in window)
+  ready = np.zeros(hi - lo + num_workers)
+  for e in events:
+    end = int((e.slot + 1) * num_workers)
+    if e.kind == "bwd" and lo <= end < hi + num_workers:
+      ready[end - lo] += stage_param_bytes[e.stage]
+  per_slot = np.convolve(ready, np.ones(num_workers))[num_workers - 1:num_workers - 1 + hi - lo]
+  return float(per_slot.max() / (num_workers * sum(stage_param_bytes)))
+
+
+# -- Strategies --------------------------------------------------------------------
+
+
+def _memory_sum(memories: Sequence[Memory], total_peak: float, total_mean: float) -> Memory:
+  return Memory(*(sum(m[k] for m in memories) for k in range(4)), total_peak, total_mean)
+
+
+def _busiest(memories: Sequence[Memory]) -> Memory:
+  return max(memories, key=lambda m: m.peak)
+
+
+def _staleness(rule, num_workers: int, num_stages: int) -> tuple[int, float]:
+  d = schedule.resolve(rule, num_workers, num_stages)
+  return int(d.max()), float(np.mean(d > 0))
+
+
+def _data_parallel(name: str, rule, n: int, w: Workload, net: Network, *,
+                   shard: int) -> Cost:
+  """DP, CDP-v1/v2 and ZeRO-``shard`` (0: none): ``N`` workers, each runs the whole model."""
+  J, P, k = w.num_stages, w.param_bytes, w.optimizer_factor
+  events, window = _steady_timeline(rule, n, J)
+  prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.worker, n,
+                                  window, n)
+  versions = 1 + schedule.max_delay(rule)
+  pmax = max(w.stage_param_bytes)
+  params = versions * P / n if shard >= 3 else versions * P
+  grads = P / n if shard >= 2 else P
+  buffers = {0: 0.0, 1: 0.0, 2: pmax, 3: 2 * pmax}[shard]  # ZeRO-3: a stage's params + grads.
+  memory = Memory(params, grads, k * P / n if shard >= 1 else k * P, buffers,
+                  float(prof.peak.max()), float(prof.mean.max()))
+  if shard == 0:
+    comms = (Communication(
+        "all-reduce", "gradients", n, J, P, 2 * (n - 1) / n * P, 2 * (n - 1) * P,
+        sum(all_reduce_time(n, p, net) for p in w.stage_param_bytes)),)
+  else:
+    gathers = 2 if shard >= 3 else 1  # ZeRO-3 gathers a stage for its forward and its backward.
+    comms = (
+        Communication("reduce-scatter", "gradients", n, J, P / n, (n - 1) / n * P, (n - 1) * P,
+                      sum(all_gather_time(n, p, net) for p in w.stage_param_bytes)),
+        Communication("all-gather", "parameters", n, gathers * J, gathers * P,
+                      gathers * (n - 1) / n * P, gathers * (n - 1) * P,
+                      gathers * sum(all_gather_time(n, p, net) for p in w.stage_param_bytes)))
+  staleness = _staleness(rule, n, J)
+  return Cost(name, n, memory, _memory_sum([memory] * n, prof.total_peak, prof.total_mean), comms,
+              grad_ready_peak(events, w.stage_param_bytes, n, window), 2 * J, 0.0, *staleness)
+
+
+def dp(n: int, w: Workload, net: Network = Network()) -> Cost:
+  """Data parallelism: ``N`` replicas in lockstep, one all-reduce per stage bucket."""
+  return _data_parallel("dp", "dp", n, w, net, shard=0)
+
+
+def cdp_v1(n: int, w: Workload, net: Network = Network()) -> Cost:
+  """CDP-v1: the cyclic timeline, every stage one step stale (PipeDream-2BW's delay)."""
+  return _data_parallel("cdp-v1", "cdp-v1", n, w, net, shard=0)
+
+
+def cdp_v2(n: int, w: Workload, net: Network = Network()) -> Cost:
+  """CDP-v2: the cyclic timeline, stale exactly where the timeline forces it."""
+  return _data_parallel("cdp-v2", "cdp-v2", n, w, net, shard=0)
+
+
+def zero_1(n: int, w: Workload, net: Network = Network()) -> Cost:
+  """ZeRO-1: data parallelism with the optimizer state sharded over the ``N`` workers."""
+  return _data_parallel("zero-1", "dp", n, w, net, shard=1)
+
+
+def zero_2(n: int, w: Workload, net: Network = Network()) -> Cost:
+  """ZeRO-2: optimizer state and gradients sharded."""
+  return _data_parallel("zero-2", "dp", n, w, net, shard=2)
+
+
+def zero_3(n: int, w: Workload, net: Network = Network()) -> Cost:
+  """ZeRO-3 (FSDP): parameters sharded too, each stage all-gathered at use."""
+  return _data_parallel("zero-3", "dp", n, w, net, shard=3)
+
+
+def _p2p(n_micro: int, w: Workload, net: Network, pipelines: int) -> Communication:
+  """Activations forward and cotangents backward over every stage boundary.
+
+  A middle stage sends one of each per micro-batch; with two stages, one each.
+  """
+  b = max(w.boundary_bytes, default=0.0)
+  ops = n_micro * min(w.num_stages - 1, 2)
+  total = 2 * n_micro * sum(w.boundary_bytes) * pipelines
+  return Communication("p2p", "activations", 2, ops, ops * b, ops * b, total,
+                       ops * p2p_time(b, net))
+
+
+def _stage_memory(w: Workload, j: int, versions: int, act_peak: float, act_mean: float) -> Memory:
+  p = w.stage_param_bytes[j]
+  return Memory(versions * p, p, w.optimizer_factor * p, 0.0, act_peak, act_mean)
+
+
+def dp_mp(n: int, w: Workload, net: Network = Network()) -> Cost:
+  """DP + model parallelism: ``N`` replicas of a ``J``-device pipeline, one micro-batch each."""
+  J = w.num_stages
+  events, window = _steady_timeline("dp", n, J)
+  prof = activation_bytes_profile(events, w.stage_activation_bytes,
+                                  lambda e: e.worker * J + e.stage, n * J, window, n)
+  memories = [_stage_memory(w, j, 1, prof.peak[i * J + j], prof.mean[i * J + j])
+              for i in range(n) for j in range(J)]
+  pmax = max(w.stage_param_bytes)
+  comms = (Communication("all-reduce", "gradients", n, 1, pmax, 2 * (n - 1) / n * pmax,
+                         2 * (n - 1) * w.param_bytes, all_reduce_time(n, pmax, net)),
+           _p2p(1, w, net, n))
+  return Cost("dp+mp", n * J, _busiest(memories),
+              _memory_sum(memories, prof.total_peak, prof.total_mean), comms,
+              grad_ready_peak(events, w.stage_param_bytes, n, window), 2 * J, 1 - 1 / J, 0, 0.0)
+
+
+def _flushed_pipeline(name: str, orders, n: int, w: Workload, net: Network) -> Cost:
+  J = w.num_stages
+  events = list_schedule(orders)
+  length = int(max(e.slot for e in events)) + 1
+  prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.stage, J,
+                                  (0, length), 1)
+  memories = [_stage_memory(w, j, 1, prof.peak[j], prof.mean[j]) for j in range(J)]
+  return Cost(name, J, _busiest(memories), _memory_sum(memories, prof.total_peak, prof.total_mean),
+              (_p2p(n, w, net, 1),), None, length, 1 - 2 * n / length, 0, 0.0)
+
+
+def gpipe(n: int, w: Workload, net: Network = Network()) -> Cost:
+  """GPipe on ``J`` devices: ``N`` micro-batches, all forwards, all backwards, flush."""
+  return _flushed_pipeline("gpipe", gpipe_orders(n, w.num_stages), n, w, net)
+
+
+def one_f_one_b(n: int, w: Workload, net: Network = Network()) -> Cost:
+  """1F1B (PipeDream-Flush) on ``J`` devices: stage ``j`` stashes at most ``J-j`` micro-batches."""
+  return _flushed_pipeline("1f1b", one_f_one_b_orders(n, w.num_stages), n, w, net)
+
+
+def _check_cyclic_square(name: str, n: int, w: Workload) -> None:
+  if n != w.num_stages:
+    raise ValueError(f"{name} runs N = J micro-batches on the cyclic timeline; got N={n}, "
+                     f"J={w.num_stages}. Use as many workers as stages.")
+
+
+def cdp_mp(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") -> Cost:
+  """CDP + model parallelism: ``J`` devices, device ``j`` runs stage ``j`` of every micro-batch."""
+  _check_cyclic_square("cdp+mp", n, w)
+  J = w.num_stages
+  events, window = _steady_timeline(rule, n, J)
+  prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.stage, J,
+                                  window, n)
+  versions = 1 + schedule.max_delay(rule)
+  memories = [_stage_memory(w, j, versions, prof.peak[j], prof.mean[j]) for j in range(J)]
+  return Cost("cdp+mp", J, _busiest(memories),
+              _memory_sum(memories, prof.total_peak, prof.total_mean),
+              (_p2p(n, w, net, 1),), None, 2 * J, 0.0, *_staleness(rule, n, J))
+
+
+def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") -> Cost:
+  """CDP + ZeRO: worker ``r`` owns stage ``J-1-r``; stages and gradients travel a ring.
+
+  Per step and stage, each of the ``N-1`` non-owners receives the stage once
+  for its forward and once for its backward, and the gradient reaches the
+  owner in ``N-1`` hops: ``3(N-1)`` point-to-point messages of ``P_j`` bytes.
+  Its ``Communication`` is the average device's: ``3(N-1)`` messages.
+  """
+  _check_cyclic_square("cdp+zero", n, w)
+  J, P, k = w.num_stages, w.param_bytes, w.optimizer_factor
+  events, window = _steady_timeline(rule, n, J)
+  prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.worker, n,
+                                  window, n)
+  versions = 1 + schedule.max_delay(rule)
+  pmax = max(w.stage_param_bytes)
+  memories = [Memory(versions * p, p, k * p, 2 * pmax, prof.peak[J - 1 - j], prof.mean[J - 1 - j])
+              for j, p in enumerate(w.stage_param_bytes)]
+  hops = 3 * (n - 1)  # Per stage: N-1 forward and N-1 backward receipts, N-1 gradient hops.
+  comms = (Communication("p2p", "parameters+gradients", 2, hops, hops / n * P, hops / n * P,
+                         hops * P, hops * net.alpha + hops / n * net.beta * P),)
+  return Cost("cdp+zero", n, _busiest(memories),
+              _memory_sum(memories, prof.total_peak, prof.total_mean), comms,
+              grad_ready_peak(events, w.stage_param_bytes, n, window), 2 * J, 0.0,
+              *_staleness(rule, n, J))
+
+
+STRATEGIES: dict[str, Callable[..., Cost]] = {
+    "dp": dp, "dp+mp": dp_mp, "gpipe": gpipe, "1f1b": one_f_one_b,
+    "zero-1": zero_1, "zero-2": zero_2, "zero-3": zero_3,
+    "cdp-v1": cdp_v1, "cdp-v2": cdp_v2, "cdp+mp": cdp_mp, "cdp+zero": cdp_zero,
+}
+"""Every strategy: ``STRATEGIES[name](num_workers, workload, network) -> Cost``."""
+
+
+def cost(strategy: str, num_workers: int, w: Workload, net: Network = Network()) -> Cost:
+  """``STRATEGIES[strategy](num_workers, w, net)``, with a helpful error for a bad name."""
+  if strategy not in STRATEGIES:
+    raise ValueError(f"Unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}.")
+  return STRATEGIES[strategy](num_workers, w, net)
+
+
+def compare(num_workers: int, w: Workload, net: Network = Network(),
+            strategies: Sequence[str] = tuple(STRATEGIES)) -> list[Cost]:
+  """The costs of ``strategies``; those that need ``N = J`` are left out otherwise."""
+  square_only = ("cdp+mp", "cdp+zero")
+  return [cost(s, num_workers, w, net) for s in strategies
+          if num_workers == w.num_stages or s not in square_only]
+
+
+def markdown_table(costs: Sequence[Cost], w: Workload, num_workers: int,
+                   net: Network = Network()) -> str:
+  """A Table-1-style comparison, in units of ``Psi_P`` (model states) and ``Psi_A`` (activations).
+
+  Labelled as derived: every figure comes from this cost model, none is measured.
+  """
+  P, A = w.param_bytes, w.activation_bytes
+  lines = [
+      f"*Derived by `cdpjax.analysis` (not measured): N = {num_workers} workers, "
+      f"J = {w.num_stages} stages, optimizer state = {w.optimizer_factor:g} x params, "
+      f"alpha = {net.alpha:g} s, beta = {net.beta:g} s/B. Model states in Psi_P, activations "
+      "in Psi_A (one micro-batch through the whole model); per device = the busiest device; "
+      "comm = bytes the busiest device sends per step.*",
+      "",
+      "| strategy | devices | params+stale /dev | grads /dev | optim /dev | buffers /dev "
+      "| act peak /dev | act peak total | act mean total | comm (kind: ops, sent) "
+      "| comm time | grad ready peak /slot | bubble | max staleness (stale pairs) |",
+      "|" + "---|" * 14]
+
+  def comm_text(c: Communication) -> str:
+    unit = A if c.what == "activations" else P
+    sym = "Psi_A" if c.what == "activations" else "Psi_P"
+    return f"{c.kind} {c.what}: {c.ops}, {c.sent_bytes / unit:.3g} {sym}"
+
+  for c in costs:
+    m, t = c.per_device, c.total
+    ready = "-" if c.grad_ready_peak is None else f"{c.grad_ready_peak:.3g}"
+    lines.append(
+        f"| {c.strategy} | {c.devices} | {m.params / P:.3g} | {m.grads / P:.3g} "
+        f"| {m.optimizer / P:.3g} | {m.buffers / P:.3g} | {m.activations_peak / A:.3g} "
+        f"| {t.activations_peak / A:.3g} | {t.activations_mean / A:.3g} "
+        f"| {'; '.join(map(comm_text, c.communication))} | {1e3 * c.comm_time_s:.3g} ms "
+        f"| {ready} | {c.bubble:.3g} | {c.max_staleness} ({c.stale_fraction:.0%}) |")
+  return "\n".join(lines) + "\n"

@@ -1,0 +1,209 @@
+"""The cost model: closed forms, the schedule's profiles, and compiled programs on 8 CPU devices.
+
+Compiled checks use a tiny ResidualMLP; every ratio predicted/measured is
+asserted exactly where the model counts the same bytes as XLA.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from cdpjax import analysis, compiled, engine, pipeline, schedule, zero
+from cdpjax.models.residual_mlp import ResidualMLP
+
+N, J = 4, 4
+UNIT = analysis.workload(1.0, 1.0, J)  # Psi_P = Psi_A = 1: results read in units of Psi.
+
+
+def test_workload_splits_totals_and_checks_lengths():
+  w = analysis.workload(8.0, [1, 2, 3, 2], 4, optimizer_factor=2)
+  assert w.stage_param_bytes == (2.0,) * 4 and w.activation_bytes == 8.0
+  assert w.boundary_bytes == (2.0, 3.0, 2.0)  # Default: the next stage's input.
+  with pytest.raises(ValueError, match="one per stage"):
+    analysis.workload(1.0, [1, 2], 4)
+  with pytest.raises(ValueError, match="J - 1"):
+    analysis.workload(1.0, 1.0, 4, boundary_bytes=[1, 2])
+
+
+def test_alpha_beta_formulas():
+  net = analysis.Network(alpha=1.0, beta=0.5)
+  assert analysis.p2p_time(10, net) == 1 + 5
+  assert analysis.all_reduce_time(4, 8, net) == 2 * 3 * 1 + 2 * 3 / 4 * 0.5 * 8
+  assert analysis.all_gather_time(4, 8, net) == 3 * 1 + 3 / 4 * 0.5 * 8
+  assert analysis.all_reduce_time(1, 8, net) == 0
+
+
+@pytest.mark.parametrize("n, j", [(4, 4), (8, 4), (3, 5), (2, 1)])
+def test_activation_closed_forms(n, j):
+  w = analysis.workload(1.0, 1.0, j)
+  mean = n * (j + 1) / (2 * j)  # Stage s lives 2(j - s) of the 2j slots of a step.
+  d, v1, v2 = (analysis.cost(s, n, w) for s in ("dp", "cdp-v1", "cdp-v2"))
+  assert d.total.activations_peak == pytest.approx(n)  # All forwards end together.
+  assert d.total.activations_mean == pytest.approx(mean)
+  for c in (v1, v2):  # Cyclic: flat, about half DP's peak.
+    assert c.total.activations_peak == pytest.approx(mean, abs=1 / j)
+    assert c.total.activations_mean == pytest.approx(mean)
+    assert c.per_device.activations_peak == pytest.approx(1.0)
+  g, f = analysis.cost("gpipe", n, w), analysis.cost("1f1b", n, w)
+  assert g.per_device.activations_peak == pytest.approx(n / j)
+  assert f.per_device.activations_peak == pytest.approx(min(n, j) / j)
+  assert g.bubble == f.bubble == pytest.approx((j - 1) / (n + j - 1))
+  assert g.step_slots == 2 * (n + j - 1)
+
+
+def test_weighted_profile_matches_schedule_activation_profile():
+  events = schedule.timeline("cdp-v2", 4, 3, 3)
+  counted = schedule.activation_profile(events, 4, 3)
+  prof = analysis.activation_bytes_profile(events, [1.0] * 3, lambda e: 0, 1, (6, 12), 4)
+  steady = counted.alive[6 * 4:12 * 4]
+  assert prof.total_peak == steady.max() and prof.total_mean == pytest.approx(steady.mean())
+
+
+def test_gradient_readiness_is_spread_by_cdp():
+  assert analysis.cost("dp", N, UNIT).grad_ready_peak == pytest.approx(1 / J)
+  assert analysis.cost("cdp-v2", N, UNIT).grad_ready_peak == pytest.approx(1 / (2 * J))
+  assert analysis.cost("cdp+zero", N, UNIT).grad_ready_peak == pytest.approx(1 / (2 * J))
+  assert analysis.cost("gpipe", N, UNIT).grad_ready_peak is None
+
+
+def test_devices_staleness_and_model_states():
+  costs = {c.strategy: c for c in analysis.compare(N, analysis.workload(1.0, 1.0, J,
+                                                                          optimizer_factor=2))}
+  assert set(costs) == set(analysis.STRATEGIES)
+  assert {s: c.devices for s, c in costs.items()} == {
+      "dp": N, "dp+mp": N * J, "gpipe": J, "1f1b": J, "zero-1": N, "zero-2": N, "zero-3": N,
+      "cdp-v1": N, "cdp-v2": N, "cdp+mp": J, "cdp+zero": N}
+  assert costs["cdp-v1"].stale_fraction == 1.0
+  assert costs["cdp-v2"].stale_fraction == np.mean(schedule.delay_matrix("cdp-v2", N, J))
+  assert {s for s, c in costs.items() if c.max_staleness} == {"cdp-v1", "cdp-v2", "cdp+mp",
+                                                              "cdp+zero"}
+  m = {s: c.per_device for s, c in costs.items()}
+  assert (m["dp"].params, m["dp"].grads, m["dp"].optimizer) == (1, 1, 2)
+  assert (m["cdp-v2"].params, m["cdp+mp"].params, m["cdp+zero"].params) == (2, 2 / J, 2 / J)
+  assert (m["zero-1"].optimizer, m["zero-2"].grads, m["zero-3"].params) == (2 / N, 1 / N, 1 / N)
+  # ZeRO-3 and CDP+ZeRO send the same volume: 3(N-1)/N Psi_P; DP 2(N-1)/N Psi_P.
+  assert costs["zero-3"].comm_sent_bytes == pytest.approx(3 * (N - 1) / N)
+  assert costs["cdp+zero"].comm_sent_bytes == pytest.approx(3 * (N - 1) / N)
+  assert costs["dp"].comm_sent_bytes == pytest.approx(2 * (N - 1) / N)
+
+
+def test_square_only_strategies_and_table():
+  assert {c.strategy for c in analysis.compare(8, UNIT)} == set(analysis.STRATEGIES) - {
+      "cdp+mp", "cdp+zero"}
+  with pytest.raises(ValueError, match="N = J"):
+    analysis.cost("cdp+mp", 8, UNIT)
+  with pytest.raises(ValueError, match="Unknown strategy"):
+    analysis.cost("fsdp", 4, UNIT)
+  table = analysis.markdown_table(analysis.compare(N, UNIT), UNIT, N)
+  assert "Derived" in table and table.count("\n| ") == 1 + len(analysis.STRATEGIES)
+
+
+# -- Against compiled programs --------------------------------------------------------
+
+WIDTH, HIDDEN, B = 8, 16, 2  # Tiny: compile time, not size, is what matters here.
+
+
+def _f32_bytes(tree) -> int:
+  return sum(4 * int(np.size(x)) for x in jax.tree.leaves(tree))
+
+
+def _batch(n):
+  return {"image": np.zeros((n * B, 8, 8, 1), np.float32), "label": np.zeros((n * B,), np.int32)}
+
+
+BATCH_BYTES_PER_ROW = 8 * 8 * 4 + 4
+# LLVM optimisation off: it changes the machine code only, not the optimised HLO, its
+# collectives or its buffer assignment (what is compared here), and halves compile time.
+FAST_BACKEND = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@pytest.fixture(scope="module")
+def params():
+  model = ResidualMLP(10, WIDTH, HIDDEN, num_blocks=J)  # Shapes matter, values do not.
+  shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
+  return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+
+
+def test_engine_memory_and_all_reduce_bytes(params):
+  rule, tx, k = "cdp-v2", optax.adam(1e-3), 2  # One stale version; Adam's mu and nu.
+  stage_of = {"embed": 0, "head": J - 1, **{f"block_{j}": j for j in range(J)}}
+  stage_ids = {name: jax.tree.map(lambda _, s=s: s, params[name]) for name, s in stage_of.items()}
+  stage_bytes = [_f32_bytes([params[n] for n, s in stage_of.items() if s == j]) for j in range(J)]
+  workers = 8
+  model = ResidualMLP(10, WIDTH, HIDDEN, num_blocks=J)
+
+  def loss_fn(p, batch):
+    logits = model.apply({"params": p}, batch["image"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule,
+                                mesh=jax.make_mesh((workers,), ("data",)))
+  lowered = step.lower(engine.init_state(params, tx, rule=rule), _batch(workers))
+  program = lowered.compile(FAST_BACKEND)
+  predicted = analysis.cost(rule, workers, analysis.workload(stage_bytes, 1.0, J,
+                                                             optimizer_factor=k))
+  mem = compiled.memory(program)
+  scalars = 4 + 4  # The step counter; Adam's count.
+  state_bytes = predicted.per_device.params + predicted.per_device.optimizer + scalars
+  assert mem["argument_bytes"] / (state_bytes + B * BATCH_BYTES_PER_ROW) == 1.0
+  assert mem["alias_bytes"] / state_bytes == 1.0  # The donated state.
+  (reduce,) = predicted.communication
+  assert compiled.stablehlo_collectives(lowered.as_text())["all-reduce"] == reduce.ops == J
+  measured = compiled.collective_summary(program.as_text())["all-reduce"]["bytes"]
+  assert measured / (reduce.payload_bytes + 4) == 1.0  # + the loss, riding in the last bucket.
+
+
+def _stacked_stage_bytes(state) -> float:
+  """Bytes of one device's slice of the stage-stacked ``theta_t`` (equal shapes per stage)."""
+  return _f32_bytes(state.params) / J
+
+
+def test_cdp_mp_pipeline_memory_and_messages(params):
+  tx = optax.sgd(0.1, momentum=0.9)
+  mesh = jax.make_mesh((J,), ("stage",), devices=jax.devices()[:J])
+  state = pipeline.init_state(params, tx, rule="cdp-v2", mesh=mesh, num_blocks=J)
+  program = pipeline.make_train_step(tx, rule="cdp-v2", mesh=mesh, num_blocks=J).lower(
+      state, _batch(N)).compile(FAST_BACKEND)
+  # SPMD pads every stage to the same stacked shape: that is P_j here.
+  w = analysis.workload(J * _stacked_stage_bytes(state), 1.0, J, boundary_bytes=B * WIDTH * 4)
+  predicted = analysis.cost("cdp+mp", N, w)
+  mem = compiled.memory(program)
+  state_bytes = predicted.per_device.params + predicted.per_device.optimizer + 4
+  assert mem["alias_bytes"] / state_bytes == 1.0
+  # The whole (small) batch is replicated to every stage device.
+  assert mem["argument_bytes"] / (state_bytes + N * B * BATCH_BYTES_PER_ROW) == 1.0
+  found = compiled.collectives(program.as_text())
+  assert {c.kind for c in found} == {"collective-permute"}  # Gradients stay on their device.
+  (p2p,) = predicted.communication
+  assert all(c.bytes / (p2p.payload_bytes / p2p.ops) == 1.0 for c in found)  # One boundary each.
+
+
+@pytest.mark.parametrize("schedule_name", ["cyclic", "zero3"])
+def test_zero_memory_and_traffic(params, schedule_name):
+  tx = optax.sgd(0.1, momentum=0.9)
+  rule = "cdp-v2" if schedule_name == "cyclic" else "dp"
+  mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
+  state = zero.init_state(params, tx, rule=rule, mesh=mesh, num_blocks=J)
+  step = zero.make_train_step(tx, rule=rule, mesh=mesh, num_blocks=J, schedule=schedule_name)
+  program = step.lower(state, _batch(N)).compile(FAST_BACKEND)
+  stage_bytes = 4 * state.layout.stage_size  # Every stage is one padded flat buffer.
+  w = analysis.workload(J * stage_bytes, 1.0, J)
+  predicted = analysis.cost("cdp+zero" if schedule_name == "cyclic" else "zero-3", N, w)
+  mem = compiled.memory(program)
+  state_bytes = predicted.per_device.params + predicted.per_device.optimizer + 4
+  assert mem["alias_bytes"] / state_bytes == 1.0
+  assert mem["argument_bytes"] / (state_bytes + B * BATCH_BYTES_PER_ROW) == 1.0
+  found = compiled.collectives(program.as_text())
+  if schedule_name == "cyclic":
+    assert {c.kind for c in found} == {"collective-permute"}
+    moved = sum(c.bytes * len(c.source_target_pairs) for c in found)
+    (ring,) = predicted.communication
+    assert moved / ring.total_bytes == 1.0  # 3(N-1) stage messages per stage.
+  else:
+    summary = compiled.collective_summary(program.as_text())
+    scatter, gather = predicted.communication
+    assert (summary["all-gather"]["count"], summary["reduce-scatter"]["count"]) == (
+        gather.ops, scatter.ops)
+    assert summary["all-gather"]["bytes"] / gather.payload_bytes == 1.0
+    assert summary["reduce-scatter"]["bytes"] / scatter.payload_bytes == 1.0
