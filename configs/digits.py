@@ -18,9 +18,6 @@ def get_config(arg: str | None = None):
   if arg.smoke:
     c.model_kwargs.width = 32
     c.model_kwargs.hidden = 64
-    c.num_train_steps = 4
-    c.log_every_steps = 1
-    c.eval_every_steps = 2
-    c.checkpoint_every_steps = 2
+    config_lib.shrink_for_smoke(c, num_train_steps=4)
   c.lock()
   return c

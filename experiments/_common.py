@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -35,20 +36,19 @@ def emulate_cpu_devices(count: int) -> None:
   """``count`` CPU devices unless ``XLA_FLAGS`` sets a count; call before importing JAX."""
   from cdpjax.main import emulate_cpu_devices as emulate  # pylint: disable=g-import-not-at-top
   emulate(count)
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def interleaved_step_times(programs: dict, batch, *, steps: int, warmup: int) -> dict:
-  """Median seconds per step of each ``name: (step_fn, state)``.
+def interleaved_step_times(programs: dict, *, steps: int, warmup: int) -> dict:
+  """Median seconds per step of each ``name: (step_fn, state, batch)``.
 
   One step of each program in turn, so machine drift hits all of them alike;
   the first ``warmup`` rounds are not timed.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  states = {name: state for name, (_, state) in programs.items()}
+  states = {name: state for name, (_, state, _) in programs.items()}
   times = {name: [] for name in programs}
   for it in range(warmup + steps):
-    for name, (step, _) in programs.items():
+    for name, (step, _, batch) in programs.items():
       start = time.perf_counter()
       states[name], metrics = step(states[name], batch)
       jax.block_until_ready((states[name], metrics))
@@ -58,9 +58,13 @@ def interleaved_step_times(programs: dict, batch, *, steps: int, warmup: int) ->
 
 
 def machine() -> dict:
-  """What the figures were measured on."""
-  import jax  # pylint: disable=g-import-not-at-top
-  return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-          "platform": platform.platform(), "jax": jax.__version__,
-          "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-          "date": time.strftime("%Y-%m-%d")}
+  """What the figures were measured on: CPU model, cores, Python, jax, date."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+          "jax": importlib.metadata.version("jax"),
+          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -94,7 +94,7 @@ def main(argv=None):
   programs["plain dp"] = (plain, plain_state, plain.lower(plain_state, device_batch).compile())
 
   step_s = _common.interleaved_step_times(
-      {name: (fn, state) for name, (fn, state, _) in programs.items()}, device_batch,
+      {name: (fn, state, device_batch) for name, (fn, state, _) in programs.items()},
       steps=args.steps, warmup=args.warmup)
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   rows = {name: {"median_step_s": step_s[name], **compiled.memory(exe)}

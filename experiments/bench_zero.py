@@ -14,16 +14,15 @@ excluded, median of ``--steps`` steps. Run:
   python experiments/bench_zero.py            # writes results/bench_zero.json
   python experiments/bench_zero.py --quick    # a tiny configuration, seconds
 """
-import argparse
 import json
 import os
 import sys
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  pylint: disable=g-import-not-at-top
+
+_common.emulate_cpu_devices(8)
 
 import jax  # noqa: E402  (after the device count is set)
 import numpy as np  # noqa: E402
@@ -123,29 +122,13 @@ def build(num_workers, args):
   return programs
 
 
-def time_steps(programs, args):
-  """Median step seconds per program, steps interleaved so drift hits all alike."""
-  states = {name: p[1] for name, p in programs.items()}
-  times = {name: [] for name in programs}
-  for it in range(args.warmup + args.steps):
-    for name, (executable, _, batch, _) in programs.items():
-      start = time.perf_counter()
-      states[name], out = executable(states[name], batch)
-      jax.block_until_ready((states[name], out))
-      if it >= args.warmup:
-        times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) for name, t in times.items()}
-
-
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="N=2, tiny model, few steps.")
+  parser = _common.parser("bench_zero", __doc__)
   parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
   parser.add_argument("--width", type=int, default=128)
   parser.add_argument("--per-worker", type=int, default=32)
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--out", default="results")
   args = parser.parse_args(argv)
   if args.quick:
     args.workers, args.width, args.per_worker, args.steps, args.warmup = [2], 16, 4, 3, 1
@@ -154,7 +137,8 @@ def main(argv=None):
     if num_workers > jax.device_count():
       sys.exit(f"N={num_workers} needs {num_workers} devices, found {jax.device_count()}.")
     programs = build(num_workers, args)
-    medians = time_steps(programs, args)
+    medians = _common.interleaved_step_times(
+        {name: p[:3] for name, p in programs.items()}, steps=args.steps, warmup=args.warmup)
     by_name = {name: p[3] for name, p in programs.items()}
     for name, row in by_name.items():
       row["step_time_s"] = medians[name]
@@ -170,12 +154,11 @@ def main(argv=None):
                                            / eng["memory"]["model_states"]),
         "max_slot_bytes_vs_zero3": cyc["max_slot_bytes"] / z3["max_slot_bytes"],
     }
-  result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "runs": rows,
-            "goals": goals, "devices": jax.device_count(), "backend": jax.default_backend()}
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, "bench_zero_quick.json" if args.quick else "bench_zero.json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
+  result = {"config": {k: v for k, v in vars(args).items() if k != "results_dir"}, "runs": rows,
+            "goals": goals, "devices": jax.device_count(), "backend": jax.default_backend(),
+            "machine": _common.machine()}
+  path = _common.results_dir(args) / "bench_zero.json"
+  _common.write_json(path, result)
   header = (f"{'N':>2} {'schedule':>8} {'params':>9} {'optim':>9} {'temp':>9} "
             f"{'collectives':<34} {'sent/dev':>9} {'max slot':>9} {'step ms':>8} {'ratio':>5}")
   print(header)

@@ -206,7 +206,7 @@ def test_benchmark_quick_writes_json(tmp_path):
       "bench_zero", os.path.join(ROOT, "experiments", "bench_zero.py"))
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)  # Keeps the 8 devices conftest set up.
-  bench.main(["--quick", "--out", str(tmp_path)])
+  bench.main(["--quick", "--results_dir", str(tmp_path)])
   (path,) = tmp_path.glob("*.json")
   result = json.loads(path.read_text())
   assert {r["schedule"] for r in result["runs"]} == {"cyclic", "zero3", "engine"}

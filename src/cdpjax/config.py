@@ -75,6 +75,14 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def shrink_for_smoke(c: ml_collections.ConfigDict, num_train_steps: int) -> None:
+  """A few steps that log, evaluate and checkpoint: for tests and a first look."""
+  c.num_train_steps = num_train_steps
+  c.log_every_steps = 1
+  c.eval_every_steps = 2
+  c.checkpoint_every_steps = 2
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the fix for a config that cannot run."""
   if c.rule not in schedule.RULES:
@@ -138,13 +146,10 @@ def paper_config(dataset: str, model: str, arg: str | None) -> ml_collections.Co
   c.log_every_steps = 50
   c.eval_every_steps = 1000
   c.checkpoint_every_steps = 1000
-  if arg.smoke:  # Two steps of a narrow ResNet on tiny batches: for tests and a first look.
+  if arg.smoke:  # A narrow ResNet on tiny batches.
     c.model_kwargs.width = 8
     c.per_worker_batch_size = 2
     c.eval_batch_size = 16
-    c.num_train_steps = 2
-    c.log_every_steps = 1
-    c.eval_every_steps = 2
-    c.checkpoint_every_steps = 2
+    shrink_for_smoke(c, num_train_steps=2)
   c.lock()
   return c

@@ -1,0 +1,230 @@
+"""Executed CDP pipeline vs GPipe vs DP+MP: devices, memory, bubbles, communication, speed.
+
+Run:
+  /work/venv/bin/python experiments/bench_pipeline.py              # J in {2, 4, 8}
+  /work/venv/bin/python experiments/bench_pipeline.py --quick      # J = 2, tiny, seconds
+
+For each J (N = J micro-batches, one block per stage by default) it compiles
+the cyclic schedule (cdp-v2), GPipe (dp) and DP+MP (dp, N*J devices) and
+reports per-device memory from ``memory_analysis``, idle slots counted from the
+executed schedule, collectives from the compiled HLO, and the step time
+relative to GPipe measured in the same run (median over timed calls, warm-up
+excluded). DP+MP rows whose N*J devices do not exist are analytic and say so.
+Results go to ``<out_dir>/bench_pipeline.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from cdpjax import compiled, pipeline  # noqa: E402
+from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
+
+RULES = {"cyclic": "cdp-v2", "gpipe": "dp", "dp+mp": "dp"}
+
+
+def parse(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--stages", default="2,4,8", help="comma-separated J values")
+  parser.add_argument("--blocks_per_stage", type=int, default=1)
+  parser.add_argument("--width", type=int, default=128)
+  parser.add_argument("--hidden", type=int, default=512)
+  parser.add_argument("--per_micro", type=int, default=32, help="rows b of one micro-batch")
+  parser.add_argument("--steps_per_call", type=int, default=4, help="K steps per compiled call")
+  parser.add_argument("--timed_calls", type=int, default=20)
+  parser.add_argument("--out_dir", default="results")
+  parser.add_argument("--quick", action="store_true", help="J=2, tiny model, few timed calls")
+  args = parser.parse_args(argv)
+  if args.quick:
+    # The shapes of tests/test_pipeline.py, whose compiles the smoke test then reuses.
+    args.stages, args.width, args.hidden, args.per_micro = "2", 8, 16, 2
+    args.blocks_per_stage = 2
+    args.steps_per_call, args.timed_calls = 2, 2
+  args.stages = [int(s) for s in args.stages.split(",")]
+  return args
+
+
+def schedule_counts(schedule, num_stages, num_steps, act_bytes):
+  """Slots, idle slots and stashed stage inputs, counted from the executed events."""
+  events = pipeline.executed_events(schedule, RULES[schedule], num_stages, num_steps)
+  replicas = num_stages if schedule == "dp+mp" else 1
+  slots_per_call = max(e.slot for e in events) + 1
+  busy = {}  # Device -> busy slots; a dp+mp device is (replica, stage).
+  # Activations j -> j+1 after a forward, cotangents j -> j-1 after a backward.
+  sends = sum(1 for e in events if e.stage != (num_stages - 1 if e.kind == "fwd" else 0))
+  alive = np.zeros((slots_per_call, replicas * num_stages), np.int64)
+  started = {}
+  for e in events:
+    device = (e.worker if replicas > 1 else 0) * num_stages + e.stage
+    busy[device] = busy.get(device, 0) + 1
+    # A stage input is stashed from its forward to its backward; stage 0 reads the batch.
+    if e.kind == "fwd":
+      started[(e.worker, e.step, e.stage)] = e.slot
+    elif e.stage > 0:
+      alive[started[(e.worker, e.step, e.stage)]:e.slot + 1, device] += 1
+  if schedule == "cyclic":
+    per_step = 2 * num_stages  # Steady state: step t+1 starts 2J slots after step t.
+  else:
+    per_step = slots_per_call // num_steps
+  busy_per_step = 2 * num_stages // replicas
+  return {
+      "devices": replicas * num_stages,
+      "slots_per_step": per_step,
+      "idle_slots_per_step": per_step - busy_per_step,
+      "bubble_fraction": (per_step - busy_per_step) / per_step,
+      "slots_per_call": slots_per_call,
+      "idle_slots_per_call_per_device": slots_per_call - max(busy.values()),
+      "useful_permute_bytes_per_step_per_device":
+          sends * act_bytes / num_steps / (replicas * num_stages),
+      "stashed_inputs_peak_per_device": int(alive.max()),
+      "stashed_inputs_peak_total": int(alive.sum(axis=1).max()),
+      "stashed_bytes_peak_total": int(alive.sum(axis=1).max()) * act_bytes,
+  }
+
+
+def collective_figures(hlo, slots_per_step):
+  """Collective kinds and bytes per device: static (per op) and per step (executed)."""
+  found = compiled.collectives(hlo)
+  kinds = sorted({c.kind for c in found})
+  per_step = {}
+  for c in found:
+    # Permutes run once per slot (a cond picks which of the two), idle slots
+    # included; dp+mp's gradient all-reduce runs once per step.
+    times = slots_per_step / 2 if c.kind == "collective-permute" else 1
+    per_step[c.kind] = per_step.get(c.kind, 0) + c.bytes * times
+  return {"collective_kinds": kinds, "collectives": compiled.collective_summary(hlo),
+          "collective_bytes_per_step_per_device": per_step}
+
+
+def measure(schedule, num_stages, args, params, batch, num_blocks):
+  if schedule == "dp+mp":
+    mesh = jax.make_mesh((num_stages, num_stages), ("data", "stage"))
+  else:
+    mesh = jax.make_mesh((num_stages,), ("stage",))
+  tx = optax.sgd(0.2, momentum=0.9)
+  rule = RULES[schedule]
+  step = pipeline.make_train_step(tx, rule=rule, mesh=mesh, num_blocks=num_blocks,
+                                  schedule=schedule, scan_steps=args.steps_per_call)
+  state = pipeline.init_state(params, tx, rule=rule, mesh=mesh, num_blocks=num_blocks)
+  exe = step.lower(state, batch).compile()
+  memory = compiled.memory(exe)
+  act_bytes = args.per_micro * args.width * 4
+  row = {"schedule": schedule, "rule": rule, "num_stages": num_stages, "num_micro": num_stages,
+         "analytic": False}
+  row.update(schedule_counts(schedule, num_stages, args.steps_per_call, act_bytes))
+  row.update({
+      "argument_bytes_per_device": memory["argument_bytes"],
+      "temp_bytes_per_device": memory["temp_bytes"],
+      "output_bytes_per_device": memory["output_bytes"],
+      "alias_bytes_per_device": memory["alias_bytes"],
+      "peak_bytes_per_device": memory["peak_bytes"],
+      "total_bytes": memory["peak_bytes"] * row["devices"],
+  })
+  row.update(collective_figures(exe.as_text(), row["slots_per_step"]))
+  times = []
+  for call in range(2 + args.timed_calls):
+    start = time.perf_counter()
+    state, metrics = exe(*step.prepare(state, batch))
+    jax.block_until_ready((state, metrics))
+    if call >= 2:  # Warm-up excluded.
+      times.append((time.perf_counter() - start) / args.steps_per_call)
+  row["step_time_median_s"] = float(np.median(times))
+  row["timed_steps"] = len(times) * args.steps_per_call
+  return row
+
+
+def analytic_dp_mp(num_stages, param_bytes_per_stage, act_bytes):
+  """DP+MP on N*J devices that do not exist here: schedule figures only."""
+  row = {"schedule": "dp+mp", "rule": "dp", "num_stages": num_stages, "num_micro": num_stages,
+         "analytic": True, "devices": num_stages * num_stages,
+         "slots_per_step": 2 * num_stages, "idle_slots_per_step": 2 * num_stages - 2,
+         "bubble_fraction": (num_stages - 1) / num_stages,
+         "stashed_inputs_peak_per_device": 1,
+         "stashed_inputs_peak_total": num_stages * (num_stages - 1),
+         "stashed_bytes_peak_total": num_stages * (num_stages - 1) * act_bytes,
+         "useful_permute_bytes_per_step_per_device": 2 * (num_stages - 1) * act_bytes / num_stages,
+         "collective_kinds": ["all-reduce", "collective-permute"],
+         "collective_bytes_per_step_per_device": {
+             "all-reduce": param_bytes_per_stage,
+             "collective-permute": num_stages * act_bytes}}
+  for key in ("argument_bytes_per_device", "temp_bytes_per_device", "output_bytes_per_device",
+              "alias_bytes_per_device", "peak_bytes_per_device", "total_bytes", "collectives",
+              "step_time_median_s", "step_time_ratio_vs_gpipe", "slots_per_call",
+              "idle_slots_per_call_per_device", "timed_steps"):
+    row[key] = None
+  return row
+
+
+def print_table(rows):
+  header = (f"{'J':>2} {'schedule':<8} {'dev':>3} {'slots/step':>10} {'idle/step':>9} "
+            f"{'bubble':>6} {'peak B/dev':>10} {'temp B/dev':>10} {'total B':>10} "
+            f"{'stash tot':>9} {'comm B/step/dev':>16} {'t/gpipe':>7}")
+  print(header)
+  for r in rows:
+    fmt = lambda v, w: f"{'n/a' if v is None else v:>{w}}"
+    comm = sum((r["collective_bytes_per_step_per_device"] or {}).values())
+    ratio = r.get("step_time_ratio_vs_gpipe")
+    print(f"{r['num_stages']:>2} {r['schedule'] + ('*' if r['analytic'] else ''):<8} "
+          f"{r['devices']:>3} {r['slots_per_step']:>10} {r['idle_slots_per_step']:>9} "
+          f"{r['bubble_fraction']:>6.3f} {fmt(r['peak_bytes_per_device'], 10)} "
+          f"{fmt(r['temp_bytes_per_device'], 10)} {fmt(r['total_bytes'], 10)} "
+          f"{r['stashed_inputs_peak_total']:>9} {int(comm):>16} "
+          f"{'n/a' if ratio is None else f'{ratio:.3f}':>7}")
+  print("* analytic: N*J devices do not exist here; schedule figures only.")
+
+
+def main(argv=None):
+  args = parse(argv)
+  rng = np.random.default_rng(0)
+  rows = []
+  for num_stages in args.stages:
+    num_blocks = num_stages * args.blocks_per_stage
+    model = ResidualMLP(num_classes=10, width=args.width, hidden=args.hidden,
+                        num_blocks=num_blocks)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    rows_n = num_stages * args.per_micro
+    batch = {"image": rng.normal(size=(args.steps_per_call, rows_n, 8, 8, 1)).astype(np.float32),
+             "label": rng.integers(0, 10, size=(args.steps_per_call, rows_n)).astype(np.int32)}
+    measured = {}
+    for schedule in ("cyclic", "gpipe", "dp+mp"):
+      if schedule == "dp+mp" and num_stages * num_stages > jax.device_count():
+        # Every stage holds k blocks plus the (zero-padded) embed and head.
+        stage_params = [params[f"block_{l}"] for l in range(args.blocks_per_stage)]
+        stage_params += [params["embed"], params["head"]]
+        param_bytes = sum(x.nbytes for x in jax.tree.leaves(stage_params))
+        measured[schedule] = analytic_dp_mp(num_stages, param_bytes,
+                                            args.per_micro * args.width * 4)
+        continue
+      measured[schedule] = measure(schedule, num_stages, args, params, batch, num_blocks)
+    for row in measured.values():
+      if row["step_time_median_s"] is not None:
+        row["step_time_ratio_vs_gpipe"] = (row["step_time_median_s"]
+                                           / measured["gpipe"]["step_time_median_s"])
+      rows.append(row)
+  result = {"config": vars(args),
+            "device": str(jax.devices()[0].platform), "device_count": jax.device_count(),
+            "rows": rows}
+  out = pathlib.Path(args.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / "bench_pipeline.json"
+  path.write_text(json.dumps(result, indent=1))
+  print_table(rows)
+  print(f"wrote {path}")
+  return result
+
+
+if __name__ == "__main__":
+  main()
