@@ -8,24 +8,17 @@ For each J (N = J micro-batches, one block per stage by default) it compiles
 the cyclic schedule (cdp-v2), GPipe (dp) and DP+MP (dp, N*J devices) and
 reports per-device memory from ``memory_analysis``, idle slots counted from the
 executed schedule, collectives from the compiled HLO, and the step time
-relative to GPipe measured in the same run (median over timed calls, warm-up
-excluded). DP+MP rows whose N*J devices do not exist are analytic and say so.
-Results go to ``<out_dir>/bench_pipeline.json``.
+relative to GPipe measured in the same run (calls of K steps interleaved
+across schedules, median over timed calls, warm-up excluded). DP+MP rows whose N*J devices do not exist are analytic and say so.
+Results go to ``<results_dir>/bench_pipeline.json`` (default ``results/bench_pipeline``).
 """
 from __future__ import annotations
 
-import argparse
-import os
+import _common
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+_common.emulate_cpu_devices(8)
 
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -37,7 +30,7 @@ RULES = {"cyclic": "cdp-v2", "gpipe": "dp", "dp+mp": "dp"}
 
 
 def parse(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = _common.parser("bench_pipeline", __doc__)
   parser.add_argument("--stages", default="2,4,8", help="comma-separated J values")
   parser.add_argument("--blocks_per_stage", type=int, default=1)
   parser.add_argument("--width", type=int, default=128)
@@ -45,8 +38,6 @@ def parse(argv=None):
   parser.add_argument("--per_micro", type=int, default=32, help="rows b of one micro-batch")
   parser.add_argument("--steps_per_call", type=int, default=4, help="K steps per compiled call")
   parser.add_argument("--timed_calls", type=int, default=20)
-  parser.add_argument("--out_dir", default="results")
-  parser.add_argument("--quick", action="store_true", help="J=2, tiny model, few timed calls")
   args = parser.parse_args(argv)
   if args.quick:
     # The shapes of tests/test_pipeline.py, whose compiles the smoke test then reuses.
@@ -134,16 +125,8 @@ def measure(schedule, num_stages, args, params, batch, num_blocks):
       "total_bytes": memory["peak_bytes"] * row["devices"],
   })
   row.update(collective_figures(exe.as_text(), row["slots_per_step"]))
-  times = []
-  for call in range(2 + args.timed_calls):
-    start = time.perf_counter()
-    state, metrics = exe(*step.prepare(state, batch))
-    jax.block_until_ready((state, metrics))
-    if call >= 2:  # Warm-up excluded.
-      times.append((time.perf_counter() - start) / args.steps_per_call)
-  row["step_time_median_s"] = float(np.median(times))
-  row["timed_steps"] = len(times) * args.steps_per_call
-  return row
+  row["timed_steps"] = args.timed_calls * args.steps_per_call
+  return row, (lambda st, b: exe(st, b), *step.prepare(state, batch))
 
 
 def analytic_dp_mp(num_stages, param_bytes_per_stage, act_bytes):
@@ -198,7 +181,7 @@ def main(argv=None):
     rows_n = num_stages * args.per_micro
     batch = {"image": rng.normal(size=(args.steps_per_call, rows_n, 8, 8, 1)).astype(np.float32),
              "label": rng.integers(0, 10, size=(args.steps_per_call, rows_n)).astype(np.int32)}
-    measured = {}
+    measured, programs = {}, {}
     for schedule in ("cyclic", "gpipe", "dp+mp"):
       if schedule == "dp+mp" and num_stages * num_stages > jax.device_count():
         # Every stage holds k blocks plus the (zero-padded) embed and head.
@@ -208,19 +191,18 @@ def main(argv=None):
         measured[schedule] = analytic_dp_mp(num_stages, param_bytes,
                                             args.per_micro * args.width * 4)
         continue
-      measured[schedule] = measure(schedule, num_stages, args, params, batch, num_blocks)
-    for row in measured.values():
-      if row["step_time_median_s"] is not None:
-        row["step_time_ratio_vs_gpipe"] = (row["step_time_median_s"]
-                                           / measured["gpipe"]["step_time_median_s"])
+      measured[schedule], programs[schedule] = measure(
+          schedule, num_stages, args, params, batch, num_blocks)
+    call_s = _common.interleaved_step_times(programs, steps=args.timed_calls, warmup=2)
+    for schedule, row in measured.items():
+      if schedule in call_s:
+        row["step_time_median_s"] = call_s[schedule] / args.steps_per_call
+        row["step_time_ratio_vs_gpipe"] = call_s[schedule] / call_s["gpipe"]
       rows.append(row)
-  result = {"config": vars(args),
-            "device": str(jax.devices()[0].platform), "device_count": jax.device_count(),
-            "rows": rows}
-  out = pathlib.Path(args.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  path = out / "bench_pipeline.json"
-  path.write_text(json.dumps(result, indent=1))
+  result = {"config": vars(args), "device_count": jax.device_count(),
+            "machine": _common.machine(), "rows": rows}
+  path = _common.results_dir(args) / "bench_pipeline.json"
+  _common.write_json(path, result)
   print_table(rows)
   print(f"wrote {path}")
   return result
