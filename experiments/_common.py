@@ -32,12 +32,6 @@ def write_json(path: pathlib.Path, obj) -> None:
   path.write_text(json.dumps(obj, indent=2, default=float) + "\n")
 
 
-def emulate_cpu_devices(count: int) -> None:
-  """``count`` CPU devices unless ``XLA_FLAGS`` sets a count; call before importing JAX."""
-  from cdpjax.main import emulate_cpu_devices as emulate  # pylint: disable=g-import-not-at-top
-  emulate(count)
-
-
 def interleaved_step_times(programs: dict, *, steps: int, warmup: int) -> dict:
   """Median seconds per step of each ``name: (step_fn, state, batch)``.
 

@@ -17,7 +17,7 @@ import shutil
 import sys
 
 import _common
-from cdpjax.main import emulate_cpu_devices
+from cdpjax.distributed import emulate_cpu_devices
 
 RULES = ("dp", "cdp-v1", "cdp-v2")
 EVAL_EVERY = 20  # Denser than the config's 100, for the curves; eval does not touch training.

@@ -20,8 +20,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  pylint: disable=g-import-not-at-top
+from cdpjax import distributed  # noqa: E402  (imports no JAX)
 
-_common.emulate_cpu_devices(8)
+distributed.emulate_cpu_devices(8)
 
 import jax  # noqa: E402  (after the device count is set)
 import jax.numpy as jnp  # noqa: E402

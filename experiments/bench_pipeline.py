@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import _common
 
-_common.emulate_cpu_devices(8)
+distributed.emulate_cpu_devices(8)
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # noqa: E402

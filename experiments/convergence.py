@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 import _common
-from cdpjax.main import emulate_cpu_devices
+from cdpjax.distributed import emulate_cpu_devices
 
 RULES = ("dp", "cdp-v1", "cdp-v2")
 LR_FRACTIONS = (0.1, 0.25, 0.45, 0.55, 0.75, 0.9, 0.99)  # Of 2/L.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from cdpjax import main as launcher
+from cdpjax import distributed
 from cdpjax import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -138,10 +138,10 @@ class TestBadConfig:
 
 def test_launcher_keeps_a_device_count_the_user_set(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=16 --foo")
-  launcher.emulate_cpu_devices(8)
+  distributed.emulate_cpu_devices(8)
   assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=16 --foo"
   monkeypatch.setenv("XLA_FLAGS", "--foo")
-  launcher.emulate_cpu_devices(8)
+  distributed.emulate_cpu_devices(8)
   assert os.environ["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=8"
 
 
@@ -154,3 +154,24 @@ def test_console_launcher_emulates_the_devices_it_needs(tmp_path):
       timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert json.load(open(tmp_path / "summary.json"))["final_step"] == 4
+
+
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory):
+  """The reference: the update-rule engine on the N = J = 4 digits smoke run."""
+  workdir = tmp_path_factory.mktemp("engine")
+  train.train_and_evaluate(load_config("digits", "smoke", **EXECUTED), str(workdir))
+  return train_losses(workdir)
+
+
+EXECUTED = dict(num_workers=4, num_stages=4)
+
+
+@pytest.mark.parametrize("parallelism", ["model", "zero"])
+def test_executed_schedules_log_the_engines_losses(parallelism, engine_run, tmp_path):
+  c = load_config("digits", f"smoke,parallelism={parallelism}", **EXECUTED)
+  train.train_and_evaluate(c, str(tmp_path))
+  losses = train_losses(tmp_path)
+  assert sorted(losses) == sorted(engine_run) == [1, 2, 3, 4]
+  np.testing.assert_allclose([losses[k] for k in sorted(losses)],
+                             [engine_run[k] for k in sorted(engine_run)], rtol=1e-5)

@@ -1,33 +1,41 @@
 """The launcher: ``cdpjax-train --config configs/digits.py --workdir runs/digits``.
 
-Flags only; the work is ``cdpjax.train.train_and_evaluate``. JAX is imported
-after the config is read, so that a CPU host can emulate the devices the run
-needs (a device count already in ``XLA_FLAGS`` wins).
+Flags only; the work is ``cdpjax.train.train_and_evaluate``. Before any device
+is touched, the launcher joins the other processes of a multi-host run (see
+``cdpjax.distributed`` and docs/multihost.md) and lets a CPU host emulate its
+share of the devices the run needs (a device count already in ``XLA_FLAGS``
+wins). Several processes on one or more hosts:
+
+  cdpjax-train --config configs/digits.py --workdir /shared/runs/digits \
+    --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0  # and =1
 """
 import os
-import re
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from cdpjax import distributed
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/digits.py.",
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summary.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summary "
+                               "(shared by all processes of a multi-host run).")
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed", "auto", distributed.MODES,
+    "Join a multi-process run with jax.distributed.initialize: 'auto' when any of the three "
+    "flags below is given or under SLURM, Open MPI or a Cloud TPU VM; 'on' always (JAX detects "
+    "unset values); 'off' never.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0, reachable from every process.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.", lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0-based.",
+                                   lower_bound=0)
+_TIMEOUT = flags.DEFINE_integer(
+    "distributed_timeout_s", 300, "Seconds to wait for every process to join, and after which a "
+    "process that stopped answering (died) fails the others.", lower_bound=1)
 flags.mark_flags_as_required(["config", "workdir"])
-
-_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def emulate_cpu_devices(count: int) -> None:
-  """Asks XLA for ``count`` CPU devices unless ``XLA_FLAGS`` already sets a count.
-
-  Only the CPU platform reads this flag, so it is harmless on GPU and TPU hosts.
-  """
-  flags_now = os.environ.get("XLA_FLAGS", "")
-  if not re.search(_COUNT_FLAG + r"=\d+", flags_now):
-    os.environ["XLA_FLAGS"] = f"{flags_now} {_COUNT_FLAG}={count}".strip()
 
 
 def main(argv):
@@ -37,11 +45,20 @@ def main(argv):
   from cdpjax import config as config_lib  # pylint: disable=g-import-not-at-top
   config = _CONFIG.value
   config_lib.validate(config)
-  emulate_cpu_devices(config_lib.num_devices(config))
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  from cdpjax import train  # pylint: disable=g-import-not-at-top  (JAX starts here)
-  summary = train.train_and_evaluate(config, _WORKDIR.value)
-  print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
+  processes = distributed.initialize(
+      config_lib.num_devices(config), mode=_DISTRIBUTED.value,
+      coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value, timeout_s=_TIMEOUT.value)
+  from cdpjax import train  # pylint: disable=g-import-not-at-top  (after the device count)
+  try:
+    summary = train.train_and_evaluate(config, _WORKDIR.value)
+  except Exception as e:
+    if processes.count == 1:
+      raise
+    raise RuntimeError(f"process {processes.index}/{processes.count}: {type(e).__name__}: {e}") from e
+  if processes.index == 0:
+    print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
 
 
 def run():

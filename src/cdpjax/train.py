@@ -22,7 +22,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import tqdm
-from flax.metrics import tensorboard
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import config as config_lib
@@ -117,6 +117,11 @@ def _executed_runner(c, module, tx, variables, mesh) -> Runner:
     raise ValueError(
         f"parallelism={c.parallelism!r} runs models built of identical blocks; {c.model!r} is "
         "not one. Use --config.model=residual_mlp or --config.parallelism=data.")
+  if jax.process_count() > 1:
+    raise ValueError(
+        f"parallelism={c.parallelism!r} runs in one process (its step takes host numpy batches "
+        f"and reads its sharded state on the host), not {jax.process_count()}: launch one process "
+        "with all the devices, or use --config.parallelism=data.")
   num_blocks = c.model_kwargs.num_blocks
   params = variables["params"]
   step = module.make_train_step(tx, rule=c.rule, mesh=mesh, num_blocks=num_blocks)
@@ -127,7 +132,11 @@ def _executed_runner(c, module, tx, variables, mesh) -> Runner:
 
 
 def make_mesh(c: ml_collections.ConfigDict):
-  """The mesh of ``config.parallelism`` over the first devices of every process."""
+  """The mesh of ``config.parallelism`` over the first devices of every process.
+
+  With several processes, each gives the same number of devices, in process
+  order: process ``p`` holds the ``p``-th block of rows, the rows it loads.
+  """
   needed = config_lib.num_devices(c)
   devices = jax.devices()
   if len(devices) < needed:
@@ -137,7 +146,18 @@ def make_mesh(c: ml_collections.ConfigDict):
         f"set XLA_FLAGS=--xla_force_host_platform_device_count={needed} (the launcher does this "
         "unless XLA_FLAGS already sets a count).")
   axis = "stage" if c.parallelism == "model" else "data"
-  return jax.make_mesh((needed,), (axis,), devices=devices[:needed])
+  count = jax.process_count()
+  if count == 1:
+    return jax.make_mesh((needed,), (axis,), devices=devices[:needed])
+  per_process = needed // count
+  if needed % count or jax.local_device_count() < per_process:
+    raise ValueError(
+        f"The mesh needs {needed} devices, which {count} processes with "
+        f"{jax.local_device_count()} devices each cannot give in equal shares: run a number of "
+        f"processes that divides {needed}, each with at least {needed} / processes devices.")
+  devices = [d for p in range(count) for d in jax.local_devices(process_index=p)[:per_process]]
+  # Not jax.make_mesh: on TPU it may reorder devices across processes.
+  return jax.sharding.Mesh(np.array(devices), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
 def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
@@ -231,13 +251,19 @@ class Checkpointer:
 
 
 class _Preemption:
-  """Turns SIGTERM into a flag the loop checks, so it can checkpoint and exit."""
+  """Turns SIGTERM into a stop the loop checks, so it can checkpoint and exit.
+
+  With several processes, JAX's own notifier catches SIGTERM and the processes
+  agree on the step to stop at, so that they all save the same one.
+  """
 
   def __init__(self):
     self.requested = False
     self._previous = None
 
   def __enter__(self):
+    if jax.process_count() > 1:
+      return self
     try:
       self._previous = signal.signal(signal.SIGTERM, self._handle)
     except ValueError:  # Not the main thread: no handler (and no preemption save).
@@ -252,6 +278,12 @@ class _Preemption:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
 
+  def stop_at(self, step: int) -> bool:
+    """Whether to checkpoint and stop after ``step``; every process calls it once per step."""
+    if jax.process_count() > 1:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.requested
+
 
 class MetricsLog:
   """metrics.jsonl and TensorBoard events, written by process 0 only."""
@@ -259,6 +291,8 @@ class MetricsLog:
   def __init__(self, workdir: str):
     self.enabled = jax.process_index() == 0
     if self.enabled:
+      # Imports TensorFlow (seconds), which the other processes never need.
+      from flax.metrics import tensorboard  # pylint: disable=g-import-not-at-top
       self.file = open(os.path.join(workdir, "metrics.jsonl"), "a")
       self.tb = tensorboard.SummaryWriter(os.path.join(workdir, "tensorboard"))
 
@@ -362,9 +396,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
         eval_metrics = eval_now()
         log.write(step, eval_metrics)
         progress.set_postfix(acc=f"{eval_metrics['eval/accuracy']:.3f}")
-      if step % c.checkpoint_every_steps == 0 or step == num_steps or preemption.requested:
+      stop = preemption.stop_at(step)
+      if step % c.checkpoint_every_steps == 0 or step == num_steps or stop:
         checkpointer.save(step, state, data_position=step, seed=c.seed)
-      if preemption.requested:
+      if stop:
         preempted = True
         break
     if pending is not None:
