@@ -15,6 +15,7 @@ Results go to ``<results_dir>/bench_pipeline.json`` (default ``results/bench_pip
 from __future__ import annotations
 
 import _common
+from cdpjax import distributed  # (imports no JAX)
 
 distributed.emulate_cpu_devices(8)
 

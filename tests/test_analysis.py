@@ -113,9 +113,6 @@ def _batch(n):
 
 
 BATCH_BYTES_PER_ROW = 8 * 8 * 4 + 4
-# LLVM optimisation off: it changes the machine code only, not the optimised HLO, its
-# collectives or its buffer assignment (what is compared here), and halves compile time.
-FAST_BACKEND = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +137,7 @@ def test_engine_memory_and_all_reduce_bytes(params):
   step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule,
                                 mesh=jax.make_mesh((workers,), ("data",)))
   lowered = step.lower(engine.init_state(params, tx, rule=rule), _batch(workers))
-  program = lowered.compile(FAST_BACKEND)
+  program = lowered.compile()
   predicted = analysis.cost(rule, workers, analysis.workload(stage_bytes, 1.0, J,
                                                              optimizer_factor=k))
   mem = compiled.memory(program)
@@ -164,7 +161,7 @@ def test_cdp_mp_pipeline_memory_and_messages(params):
   mesh = jax.make_mesh((J,), ("stage",), devices=jax.devices()[:J])
   state = pipeline.init_state(params, tx, rule="cdp-v2", mesh=mesh, num_blocks=J)
   program = pipeline.make_train_step(tx, rule="cdp-v2", mesh=mesh, num_blocks=J).lower(
-      state, _batch(N)).compile(FAST_BACKEND)
+      state, _batch(N)).compile()
   # SPMD pads every stage to the same stacked shape: that is P_j here.
   w = analysis.workload(J * _stacked_stage_bytes(state), 1.0, J, boundary_bytes=B * WIDTH * 4)
   predicted = analysis.cost("cdp+mp", N, w)
@@ -186,7 +183,7 @@ def test_zero_memory_and_traffic(params, schedule_name):
   mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
   state = zero.init_state(params, tx, rule=rule, mesh=mesh, num_blocks=J)
   step = zero.make_train_step(tx, rule=rule, mesh=mesh, num_blocks=J, schedule=schedule_name)
-  program = step.lower(state, _batch(N)).compile(FAST_BACKEND)
+  program = step.lower(state, _batch(N)).compile()
   stage_bytes = 4 * state.layout.stage_size  # Every stage is one padded flat buffer.
   w = analysis.workload(J * stage_bytes, 1.0, J)
   predicted = analysis.cost("cdp+zero" if schedule_name == "cyclic" else "zero-3", N, w)
