@@ -11,12 +11,12 @@ seeds with a +-1 std band) under ``--results_dir``:
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
 
 import _common
+from cdpjax import config as config_lib
 from cdpjax.distributed import emulate_cpu_devices
 
 RULES = ("dp", "cdp-v1", "cdp-v2")
@@ -25,11 +25,7 @@ EVAL_EVERY = 20  # Denser than the config's 100, for the curves; eval does not t
 
 def load_config(arg: str):
   """``get_config(arg)`` of configs/digits.py, as ``--config configs/digits.py:arg`` does."""
-  path = _common.REPO / "configs" / "digits.py"
-  spec = importlib.util.spec_from_file_location("digits_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return config_lib.load(str(_common.REPO / "configs" / "digits.py"), arg)
 
 
 def read_metrics(workdir) -> list[dict]:

@@ -59,10 +59,10 @@ def plain_dp_step(loss_fn, tx, mesh):
 
 def main(argv=None):
   parser = _common.parser("bench_engine", __doc__)
-  parser.add_argument("--steps", type=int, default=50, help="Timed steps per variant.")
-  parser.add_argument("--warmup", type=int, default=5)
-  parser.add_argument("--width", type=int, default=512)
-  parser.add_argument("--per_worker_batch", type=int, default=64)
+  parser.add_argument("--steps", type=int, default=30, help="Timed steps per variant.")
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--width", type=int, default=256)
+  parser.add_argument("--per_worker_batch", type=int, default=32)
   args = parser.parse_args(argv)
   if args.quick:
     args.steps, args.warmup, args.width, args.per_worker_batch = 3, 1, 32, 4

@@ -1,5 +1,4 @@
 """The trainer end to end: configs, data, checkpoints, resume, metrics, errors."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from cdpjax import config as config_lib
 from cdpjax import distributed
 from cdpjax import train
 
@@ -20,13 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_config(name, arg=None, **overrides):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config(arg)
-  for key, value in overrides.items():
-    c[key] = value
-  return c
+  return config_lib.load(str(ROOT / "configs" / f"{name}.py"), arg, **overrides)
 
 
 def read_metrics(workdir):

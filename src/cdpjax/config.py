@@ -5,6 +5,9 @@ the emulated device count.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import ml_collections
 
 from cdpjax import schedule
@@ -13,6 +16,21 @@ PARALLELISMS = ("data", "model", "zero")
 BACKENDS = ("shard_map", "pmap")
 LR_SCHEDULES = ("constant", "cosine", "step")
 STAGE_STRATEGIES = ("params", "flops", "blocks")
+
+
+def load(path: str, arg: str | None = None, **overrides) -> ml_collections.ConfigDict:
+  """``get_config(arg)`` of the config file ``path``, as ``--config path:arg`` gives it.
+
+  ``overrides`` set keys afterwards, as ``--config.KEY=VALUE`` does.
+  """
+  name = os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(f"cdpjax_config_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config(arg)
+  for key, value in overrides.items():
+    c[key] = value
+  return c
 
 
 def parse_arg(arg: str | None, **defaults):
