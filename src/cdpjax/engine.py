@@ -109,15 +109,17 @@ def _reduce_by_stage(grads, stage_of_leaf, num_stages, extras, axis_name, num_wo
   g_out, x_out = [None] * len(g_leaves), [None] * len(x_leaves)
   sq_norms = [jnp.zeros((), jnp.float32) for _ in range(num_stages)]
   for (stage, _), items in sorted(buckets.items()):
-    flat = jnp.concatenate([jnp.ravel(leaf) for _, _, leaf in items])
-    flat = jax.lax.psum(flat, axis_name) / num_workers
+    # Scaled before packing, so the scaling fuses into the copy into the bucket.
+    flat = jnp.concatenate([jnp.ravel(leaf) / num_workers for _, _, leaf in items])
+    flat = jax.lax.psum(flat, axis_name)
+    num_grads = sum(leaf.size for kind, _, leaf in items if kind == "g")
+    sq_norms[stage] = sq_norms[stage] + jnp.sum(jnp.square(flat[:num_grads].astype(jnp.float32)))
     offset = 0
     for kind, k, leaf in items:
       part = flat[offset:offset + leaf.size].reshape(leaf.shape)
       offset += leaf.size
       if kind == "g":
         g_out[k] = part
-        sq_norms[stage] = sq_norms[stage] + jnp.sum(jnp.square(part.astype(jnp.float32)))
       else:
         x_out[k] = part
   return (jax.tree.unflatten(g_def, g_out), jax.tree.unflatten(x_def, x_out),
@@ -145,6 +147,13 @@ def _worker_view(versions, stage_of_leaf, delays, axis_name):
       leaf = jnp.where(row[stage] == version, leaves[version][k], leaf)
     view.append(leaf)
   return jax.tree.unflatten(treedef, view)
+
+
+def _placed(tree, sharding):
+  """``tree`` on ``sharding``; a no-op check when it already is (every step after the first)."""
+  if all(isinstance(x, jax.Array) and x.sharding == sharding for x in jax.tree.leaves(tree)):
+    return tree
+  return jax.device_put(tree, sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,12 +234,15 @@ def make_train_step(
         grads, stage_of_leaf, num_stages, (loss, model_state), axis_name, num_workers)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    # theta_t becomes the newest stale version. Donation aliases each output to
+    # the input in the same position, so XLA copies theta_t into the stale
+    # slot's buffer: one transient parameter copy per step on top of the state.
     stale = state.versions[:num_stale]
     metrics = {
         "loss": loss,
         "grad_norm": jnp.sqrt(jnp.sum(sq_norms)),
         "grad_norm_per_stage": jnp.sqrt(sq_norms),
-        "param_norm": optax.tree.norm(state.params),
+        "param_norm": optax.tree.norm(params),
     }
     return CyclicState(state.step + 1, params, stale, opt_state, model_state), metrics
 
@@ -279,7 +291,7 @@ def make_train_step(
           f"Batch size {size} is not divisible by the {num_workers} workers: use a global "
           f"batch of num_workers * per_worker_batch rows (worker i gets rows i*b:(i+1)*b).")
     if backend == "shard_map":
-      return jax.device_put(state, replicated), jax.device_put(batch, batch_sharding)
+      return _placed(state, replicated), _placed(batch, batch_sharding)
     b = size // num_workers
 
     def split(x):  # [.., N*b, ..] -> [N, .., b, ..]: the pmap axis leads.
