@@ -88,7 +88,7 @@ def section(name: str, script: pathlib.Path, result: dict | None) -> str:
   if result is None:
     return "\n".join(lines + [f"Not run: `{script.name}` does not exist yet.", ""])
   command = " ".join("python" if c == sys.executable
-                     else os.path.relpath(c, _common.REPO) if c.endswith(".py") else c
+                     else os.path.relpath(c, _common.REPO) if os.path.isabs(c) else c
                      for c in result["command"])
   lines += [f"Command: `{command}` ({result['seconds']:.0f} s)", ""]
   if not result["ok"]:
