@@ -1,8 +1,12 @@
 """Multi-process runs with real processes on 127.0.0.1: 2 processes x 4 CPU devices (gloo).
 
+``parallelism=data`` (8 devices) and the executed schedules ``model`` and
+``zero`` (4 devices, N = J = 4) give the per-step losses of one process.
+
 Each launched process is bounded by a timeout and killed if a test fails.
 """
 import collections
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -186,12 +190,54 @@ def _listdir(path) -> list:
   return os.listdir(path) if os.path.isdir(path) else []
 
 
-@pytest.mark.parametrize("parallelism", ["model", "zero"])
-def test_executed_modes_refuse_several_processes(parallelism, monkeypatch):
-  c = load_config(f"parallelism={parallelism},smoke", num_workers=4)
-  monkeypatch.setattr(train.jax, "process_count", lambda: 2)
-  with pytest.raises(ValueError, match="runs in one process.*--config.parallelism=data"):
-    train.build_runner(c, None, None, None, None, None)
+EXECUTED = ("model", "zero")
+
+
+class ExecutedRun(NamedTuple):
+  codes: list
+  output: str  # Process 0's.
+  losses: dict  # {step: [train/loss] + [eval/loss] where evaluated}, 2 processes.
+  reference: dict  # The same, 1 process (the first 4 of this session's 8 devices).
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory) -> dict:
+  """``{parallelism: ExecutedRun}`` at N = J = 4 for 2 steps, evaluating after the second.
+
+  Both 2-process runs start at once and the 1-process references run meanwhile.
+  """
+  tmp_path = tmp_path_factory.mktemp("executed")
+  overrides = dict(num_workers=4, num_stages=4, num_train_steps=2)
+  args = [f"--config.{k}={v}" for k, v in overrides.items()]
+  with contextlib.ExitStack() as stack:
+    runs = {p: stack.enter_context(Processes(
+        tmp_path / p, f"--config=configs/digits.py:smoke,parallelism={p}", *args,
+        timeout_s=RUN_TIMEOUT_S)) for p in EXECUTED}
+    references = {}
+    for p in EXECUTED:
+      train.train_and_evaluate(load_config("smoke", parallelism=p, **overrides),
+                               str(tmp_path / f"{p}_one_process"))
+      references[p] = _losses(tmp_path / f"{p}_one_process")
+    codes = {p: run.wait() for p, run in runs.items()}
+    return {p: ExecutedRun(codes[p], run.output(0), _losses(tmp_path / p), references[p])
+            for p, run in runs.items()}
+
+
+def _losses(workdir) -> dict:
+  train_loss, eval_loss = metric_values(workdir), metric_values(workdir, "eval/loss")
+  return {s: train_loss[s] + eval_loss.get(s, []) for s in train_loss}
+
+
+@pytest.mark.parametrize("parallelism", EXECUTED)
+def test_executed_modes_on_two_processes_match_one_process(parallelism, executed):
+  run = executed[parallelism]
+  assert run.codes == [0, 0], run.output[-3000:]
+  lengths = lambda losses: {s: len(v) for s, v in losses.items()}
+  assert lengths(run.losses) == lengths(run.reference) == {1: 1, 2: 2}
+  difference = max(abs(a - b) for s in run.losses for a, b in zip(run.losses[s], run.reference[s]))
+  print(f"{parallelism}: max |loss(2 processes) - loss(1)| = {difference:.3g} over 2 steps and "
+        "1 evaluation")
+  assert difference < TOLERANCE
 
 
 class TestWhenToJoin:

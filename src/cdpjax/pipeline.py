@@ -126,6 +126,7 @@ def unstack_params(stacked) -> dict:
 
 
 def _replicated(x):
+  """``x`` copied to every device of its mesh (readable on every process), if on a mesh."""
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding):
     return jax.device_put(x, NamedSharding(sharding.mesh, P()))
@@ -424,12 +425,15 @@ def make_train_step(tx: optax.GradientTransformation, *, rule, mesh: Mesh, num_b
 
   Returns:
     A ``PipelineStep``; ``step(state, batch)`` takes ``{"image": [N*b, ...],
-    "label": [N*b]}`` host arrays (micro-batch ``i`` = rows ``i*b:(i+1)*b``;
-    replicated on the ``stage`` devices, split over ``data`` for dp+mp) and
-    returns metrics ``loss`` (mean over the ``N`` micro-batches of the step),
-    ``grad_norm`` and ``grad_norm_per_stage`` ``[J]``. The metrics leave the
-    compiled step sharded and are gathered after it, so the step itself only
-    communicates by collective-permutes (plus dp+mp's gradient all-reduce).
+    "label": [N*b]}`` as host arrays or global ``jax.Array``s of any sharding
+    (micro-batch ``i`` = rows ``i*b:(i+1)*b``). It places them replicated on
+    the ``stage`` devices (split over ``data`` for dp+mp) before the step: a
+    batch sharded over processes is gathered there. It returns metrics
+    ``loss`` (mean over the ``N`` micro-batches of the step), ``grad_norm`` and
+    ``grad_norm_per_stage`` ``[J]``. They leave the compiled step sharded and
+    are copied to every device after it (readable on every process), so the
+    step itself only communicates by collective-permutes (plus dp+mp's
+    gradient all-reduce).
   """
   if schedule not in SCHEDULES:
     raise ValueError(f"Unknown schedule {schedule!r}: use one of {SCHEDULES}.")
@@ -554,7 +558,7 @@ def make_train_step(tx: optax.GradientTransformation, *, rule, mesh: Mesh, num_b
   def prepare(state: PipelineState, batch):
     if not isinstance(batch, dict) or set(batch) != {"image", "label"}:
       raise ValueError("The batch must be a dict with keys 'image' [N*b, ...] and 'label' [N*b].")
-    batch = {k: np.asarray(v) for k, v in batch.items()}
+    batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
     if scan_steps is None:
       batch = {k: v[None] for k, v in batch.items()}
     elif any(v.ndim < 2 or v.shape[0] != scan_steps for v in batch.values()):

@@ -112,16 +112,16 @@ def _data_runner(c, model, tx, variables, sample, mesh) -> Runner:
 
 
 def _executed_runner(c, module, tx, variables, mesh) -> Runner:
-  """``parallelism=model`` (cdpjax.pipeline) or ``zero`` (cdpjax.zero)."""
+  """``parallelism=model`` (cdpjax.pipeline) or ``zero`` (cdpjax.zero), with any processes.
+
+  Both steps take ``to_global``'s batch, sharded over the mesh axis (``model``
+  gathers it onto every stage device), and return metrics that every process
+  can read.
+  """
   if c.model != "residual_mlp":
     raise ValueError(
         f"parallelism={c.parallelism!r} runs models built of identical blocks; {c.model!r} is "
         "not one. Use --config.model=residual_mlp or --config.parallelism=data.")
-  if jax.process_count() > 1:
-    raise ValueError(
-        f"parallelism={c.parallelism!r} runs in one process (its step takes host numpy batches "
-        f"and reads its sharded state on the host), not {jax.process_count()}: launch one process "
-        "with all the devices, or use --config.parallelism=data.")
   num_blocks = c.model_kwargs.num_blocks
   params = variables["params"]
   step = module.make_train_step(tx, rule=c.rule, mesh=mesh, num_blocks=num_blocks)

@@ -166,7 +166,7 @@ def _unpack(flat, layout: StageLayout) -> dict:
 def current_params(state: ZeroState) -> dict:
   """``theta_t`` as the flax ``params`` dict (for evaluation and checkpoints)."""
   layout = state.layout
-  rows = np.asarray(jax.device_get(state.params))
+  rows = np.asarray(jax.device_get(_replicated(state.params)))
   out = {}
   for j in range(layout.num_stages):
     for unit, unit_params in _unpack(rows[layout.owner(j)], layout).items():
@@ -174,6 +174,19 @@ def current_params(state: ZeroState) -> dict:
       if name is not None:
         out[name] = unit_params
   return out
+
+
+def _replicated(x):
+  """``x`` copied to every device of its mesh (readable on every process), if on a mesh."""
+  if isinstance(getattr(x, "sharding", None), NamedSharding):
+    return jax.device_put(x, NamedSharding(x.sharding.mesh, P()))
+  return x
+
+
+def _place(x, dtype, sharding: NamedSharding) -> jax.Array:
+  """A host array or a global ``jax.Array`` as ``dtype`` on ``sharding``."""
+  x = x.astype(dtype) if isinstance(x, jax.Array) else np.asarray(x, dtype)
+  return jax.device_put(x, sharding)
 
 
 def _delays(rule, num_workers: int) -> np.ndarray:
@@ -525,6 +538,7 @@ class ZeroTrainStep:
 
   ``metrics``: ``loss_per_worker`` ``[N]`` (an output of the compiled step) and
   ``loss``, its mean, computed outside the step so the step needs no all-reduce.
+  Both are replicated on every device, so every process can read them.
   """
   run: Callable
   prepare: Callable
@@ -532,6 +546,7 @@ class ZeroTrainStep:
 
   def __call__(self, state, batch):
     state, loss_per_worker = self.run(*self.prepare(state, batch))
+    loss_per_worker = _replicated(loss_per_worker)
     return state, {"loss": jnp.mean(loss_per_worker), "loss_per_worker": loss_per_worker}
 
   def lower(self, state, batch):
@@ -554,7 +569,9 @@ def make_train_step(tx: optax.GradientTransformation, *, rule, mesh: Mesh, num_b
 
   Returns:
     A ``ZeroTrainStep``. ``batch`` is ``{"image": [N*b, 8, 8, 1] float32,
-    "label": [N*b] int32}``; worker ``i`` gets rows ``i*b:(i+1)*b``.
+    "label": [N*b] int32}``, host arrays or global ``jax.Array``s; worker ``i``
+    gets rows ``i*b:(i+1)*b`` (with several processes, pass a global array
+    sharded over ``data``, each process holding its workers' rows).
   """
   if schedule not in SCHEDULES:
     raise ValueError(f"Unknown schedule {schedule!r}: use one of {SCHEDULES}.")
@@ -591,8 +608,8 @@ def make_train_step(tx: optax.GradientTransformation, *, rule, mesh: Mesh, num_b
           f"num_workers * b rows for both ({num_workers} workers; worker i gets rows "
           "i*b:(i+1)*b).")
     sharding = NamedSharding(mesh, P(AXIS))
-    batch = {"image": jax.device_put(np.asarray(batch["image"], np.float32), sharding),
-             "label": jax.device_put(np.asarray(batch["label"], np.int32), sharding)}
+    batch = {"image": _place(batch["image"], np.float32, sharding),
+             "label": _place(batch["label"], np.int32, sharding)}
     return jax.device_put(state, _shardings(state, mesh, name)), batch
 
   return ZeroTrainStep(run=jax.jit(run, donate_argnums=(0,) if donate else ()),
