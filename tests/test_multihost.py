@@ -7,7 +7,6 @@ Each launched process is bounded by a timeout and killed if a test fails.
 """
 import collections
 import contextlib
-import importlib.util
 import itertools
 import json
 import os
@@ -20,6 +19,7 @@ from typing import NamedTuple
 
 import pytest
 
+from cdpjax import config as config_lib
 from cdpjax import distributed
 from cdpjax import train
 
@@ -30,13 +30,7 @@ _RUNS = itertools.count()
 
 
 def load_config(arg, **overrides):
-  spec = importlib.util.spec_from_file_location("digits", ROOT / "configs" / "digits.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config(arg)
-  for key, value in overrides.items():
-    c[key] = value
-  return c
+  return config_lib.load(str(ROOT / "configs" / "digits.py"), arg, **overrides)
 
 
 def free_port() -> int:

@@ -105,14 +105,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the fix for a config that cannot run."""
   if c.rule not in schedule.RULES:
     raise ValueError(f"Unknown rule {c.rule!r}: set --config.rule to one of {', '.join(schedule.RULES)}.")
-  if c.parallelism not in PARALLELISMS:
-    raise ValueError(f"Unknown parallelism {c.parallelism!r}: use one of {PARALLELISMS}.")
-  if c.backend not in BACKENDS:
-    raise ValueError(f"Unknown backend {c.backend!r}: use one of {BACKENDS}.")
-  if c.lr_schedule not in LR_SCHEDULES:
-    raise ValueError(f"Unknown lr_schedule {c.lr_schedule!r}: use one of {LR_SCHEDULES}.")
-  if c.stage_strategy not in STAGE_STRATEGIES:
-    raise ValueError(f"Unknown stage_strategy {c.stage_strategy!r}: use one of {STAGE_STRATEGIES}.")
+  for key, valid in (("parallelism", PARALLELISMS), ("backend", BACKENDS),
+                     ("lr_schedule", LR_SCHEDULES), ("stage_strategy", STAGE_STRATEGIES)):
+    if c[key] not in valid:
+      raise ValueError(f"Unknown {key} {c[key]!r}: set --config.{key} to one of {valid}.")
   for key in ("num_workers", "num_stages", "per_worker_batch_size", "eval_batch_size",
               "log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
     if c[key] < 1:
