@@ -110,7 +110,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c[key] not in valid:
       raise ValueError(f"Unknown {key} {c[key]!r}: set --config.{key} to one of {valid}.")
   for key in ("num_workers", "num_stages", "per_worker_batch_size", "eval_batch_size",
-              "log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+              "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
+              "keep_checkpoints"):
     if c[key] < 1:
       raise ValueError(f"--config.{key} must be >= 1, got {c[key]}.")
   if c.num_train_steps < 1 and c.num_epochs <= 0:

@@ -151,7 +151,10 @@ def _worker_view(versions, stage_of_leaf, delays, axis_name):
 
 def _placed(tree, sharding):
   """``tree`` on ``sharding``; a no-op check when it already is (every step after the first)."""
-  if all(isinstance(x, jax.Array) and x.sharding == sharding for x in jax.tree.leaves(tree)):
+  # Equivalence, not equality: a shard_map output with out_specs=P() comes back
+  # as P(None, ...), which is the same placement but does not compare equal.
+  if all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)
+         for x in jax.tree.leaves(tree)):
     return tree
   return jax.device_put(tree, sharding)
 

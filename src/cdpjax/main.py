@@ -8,8 +8,14 @@ wins). Several processes on one or more hosts:
 
   cdpjax-train --config configs/digits.py --workdir /shared/runs/digits \
     --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0  # and =1
+
+Exit status, for schedulers: 0 when the run reached its last step; 1 on an
+error (a user error prints its message and the fix, without a traceback);
+75 (``train.EXIT_PREEMPTED``) when SIGTERM or Ctrl-C stopped it after saving a
+checkpoint: rerunning the same command resumes.
 """
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -44,21 +50,39 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   from cdpjax import config as config_lib  # pylint: disable=g-import-not-at-top
   config = _CONFIG.value
-  config_lib.validate(config)
+  try:
+    config_lib.validate(config)
+  except ValueError as e:
+    _fail(str(e))
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   processes = distributed.initialize(
       config_lib.num_devices(config), mode=_DISTRIBUTED.value,
       coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
       process_id=_PROCESS_ID.value, timeout_s=_TIMEOUT.value)
   from cdpjax import train  # pylint: disable=g-import-not-at-top  (after the device count)
+  who = f"process {processes.index}/{processes.count}: " if processes.count > 1 else ""
   try:
     summary = train.train_and_evaluate(config, _WORKDIR.value)
+  except train.TrainError as e:  # A user error or a diverged run: the message says what to do.
+    _fail(who + "\n".join([str(e), *getattr(e, "__notes__", [])]))
   except Exception as e:
     if processes.count == 1:
       raise
-    raise RuntimeError(f"process {processes.index}/{processes.count}: {type(e).__name__}: {e}") from e
+    raise RuntimeError(f"{who}{type(e).__name__}: {e}") from e
   if processes.index == 0:
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
+  if summary["preempted"]:
+    sys.stderr.write(
+        f"Stopped by {summary['stopped_by']} after step {summary['final_step']} of "
+        f"{summary['num_train_steps']}, with a checkpoint. Rerun the same command to resume "
+        f"(exit status {train.EXIT_PREEMPTED}).\n")
+    sys.exit(train.EXIT_PREEMPTED)
+
+
+def _fail(message: str):
+  """Ends the launcher on a user error: the message, no traceback, exit status 1."""
+  sys.stderr.write(f"cdpjax-train: error: {message}\n")
+  sys.exit(1)
 
 
 def run():

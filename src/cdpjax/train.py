@@ -8,10 +8,14 @@ ring), resumes from the newest checkpoint in ``workdir`` and trains, writing
 """
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import json
 import math
 import os
 import signal
+import socket
+import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -22,6 +26,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import tqdm
+from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -180,7 +185,17 @@ def make_eval_fn(model, mesh):
     m = batch["mask"]
     return jnp.sum(correct * m), jnp.sum(losses * m), jnp.sum(m)
 
+  replicated = NamedSharding(mesh, P())
+
+  def on_mesh(x):
+    # The pmap backend returns its state on pmap's own mesh (Auto axes), which
+    # jit refuses to mix with the batch's (Explicit axes): place it on ours.
+    if getattr(x.sharding, "mesh", None) == mesh:
+      return x
+    return jax.device_put(x, replicated)
+
   def evaluate(variables, batches):
+    variables = jax.tree.map(on_mesh, variables)
     totals = np.zeros(3)
     for batch in batches:
       totals += np.array(jax.device_get(sums(variables, to_global(batch, mesh))))
@@ -189,111 +204,311 @@ def make_eval_fn(model, mesh):
   return evaluate
 
 
-class CheckpointMismatchError(ValueError):
-  """A checkpoint in the workdir belongs to an incompatible config."""
+EXIT_PREEMPTED = 75
+"""The launcher's exit status after SIGTERM or Ctrl-C: a checkpoint was saved
+and rerunning the same command resumes (``EX_TEMPFAIL`` of sysexits.h)."""
 
 
-# Keys whose change makes a checkpoint a different algorithm or model.
-IDENTITY_KEYS = ("rule", "num_workers", "num_stages", "parallelism", "model", "model_kwargs",
-                 "dataset", "optimizer", "stage_strategy")
+class TrainError(Exception):
+  """An error whose message says what to do; the launcher prints it without a traceback."""
 
 
-def _identity(c) -> dict:
-  return json.loads(json.dumps({k: c[k].to_dict() if hasattr(c[k], "to_dict") else c[k]
-                                for k in IDENTITY_KEYS}))
+class CheckpointMismatchError(TrainError, ValueError):
+  """A checkpoint in the workdir belongs to an incompatible config, or none is readable."""
+
+
+class WorkdirError(TrainError):
+  """The workdir cannot be used: not a directory, not writable, or in use."""
+
+
+class NonFiniteError(TrainError, FloatingPointError):
+  """The loss or the parameters stopped being finite."""
+
+
+# Config keys a resume may change: they change the learning rate, the length
+# of the run or what is written, which is what a user continues a run to do.
+# Every other key changes the trajectory (the seed and batch size pick the
+# data, the rest the algorithm or model), so a change refuses to resume.
+RESUMABLE_KEYS = ("learning_rate", "lr_schedule", "lr_decay_factor", "lr_decay_every_epochs",
+                  "warmup_epochs", "num_train_steps", "num_epochs", "log_every_steps",
+                  "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints",
+                  "eval_batch_size", "data_dir", "backend")
+
+
+def _config_dict(c) -> dict:
+  return json.loads(c.to_json_best_effort())
+
+
+def config_changes(saved: dict, current: dict) -> tuple[dict, dict]:
+  """``(refused, allowed)``: the keys whose value differs, as ``{key: (saved, current)}``.
+
+  A key the checkpoint does not know (one added to the configs since) is not
+  compared.
+  """
+  diff = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v}
+  allowed = {k: d for k, d in diff.items() if k in RESUMABLE_KEYS}
+  return {k: d for k, d in diff.items() if k not in allowed}, allowed
+
+
+def _finite(loss, variables) -> jax.Array:
+  """One fused reduction: whether the loss and every float leaf are finite."""
+  leaves = [x for x in [loss, *jax.tree.leaves(variables)] if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+_all_finite = jax.jit(_finite)
 
 
 class Checkpointer:
   """orbax CheckpointManager of (state, metadata), refusing incompatible runs."""
 
   def __init__(self, workdir: str, c):
-    self.identity = _identity(c)
+    self.config = _config_dict(c)
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, "checkpoints")
     self.manager = ocp.CheckpointManager(
-        os.path.join(os.path.abspath(workdir), "checkpoints"),
+        self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=c.keep_checkpoints, create=True))
+    self.saved_step = None  # The newest step saved by this run (maybe still being written).
 
-  def save(self, step: int, state, data_position: int, seed: int) -> None:
-    meta = {"identity": self.identity, "step": step, "data_position": data_position, "seed": seed}
+  def save(self, step: int, state, data_position: int) -> None:
+    meta = {"config": self.config, "step": step, "data_position": data_position,
+            "seed": self.config["seed"]}
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    self.saved_step = step
+
+  def _where(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _check_config(self, meta: dict, step: int) -> None:
+    saved = meta.get("config")
+    if saved is None:  # Checkpoints of earlier versions saved the identity keys and the seed.
+      saved = {**meta["identity"], "seed": meta["seed"]}
+    refused, allowed = config_changes(saved, self.config)
+    if refused:
+      lines = "\n".join(f"  {k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in refused.items())
+      raise CheckpointMismatchError(
+          f"The checkpoint in {self._where(step)} comes from a different run:\n{lines}\n"
+          "Resuming with these changed would change the trajectory. Restore them with "
+          "--config.KEY=VALUE, or use a fresh --workdir to start a new run.")
+    for k, (a, b) in allowed.items():
+      logging.warning("Resuming from step %d with %s changed: %r -> %r.", step, k, a, b)
 
   def restore_latest(self, abstract_state):
-    """``(state, meta)`` of the newest checkpoint, or ``None`` without one."""
+    """``(state, meta)`` of the newest readable checkpoint, or ``None`` without one.
+
+    An unreadable checkpoint (a disk fault, a copy cut short) is reported and
+    moved to ``unreadable_checkpoints/``, and the previous one is used; a
+    checkpoint of a different config is refused.
+    """
+    unreadable = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        meta = self.manager.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      except Exception as e:  # pylint: disable=broad-except
+        unreadable.append((step, e))
+        continue
+      self._check_config(meta, step)
+      try:
+        state = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state)))["state"]
+      except Exception as e:  # pylint: disable=broad-except
+        unreadable.append((step, e))
+        continue
+      if unreadable:
+        self._set_aside(unreadable, step)
+      return state, meta
+    if unreadable:
+      lines = "\n".join(f"  {self._where(s)}: {type(e).__name__}: {_first_line(e)}"
+                        for s, e in unreadable)
+      raise CheckpointMismatchError(
+          f"No checkpoint in {self.directory} can be restored into this run's state:\n{lines}\n"
+          "If the code changed since they were written, run the version that wrote them; "
+          "otherwise use a fresh --workdir (or delete the checkpoints to start over).")
+    return None
+
+  def _set_aside(self, unreadable, step: int) -> None:
+    aside = os.path.join(self.workdir, "unreadable_checkpoints")
+    for s, e in unreadable:
+      logging.warning("Checkpoint %s is unreadable (%s: %s); resuming from the previous one, "
+                      "step %d. It is moved to %s.", self._where(s), type(e).__name__,
+                      _first_line(e), step, aside)
+    if jax.process_index() == 0:
+      os.makedirs(aside, exist_ok=True)
+      for s, _ in unreadable:
+        os.replace(self._where(s), os.path.join(aside, f"{s}-{int(time.time())}"))
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("cdpjax: unreadable checkpoints moved")
+    self.manager.reload()
+
+  def newest(self) -> str:
+    """Where the newest saved checkpoint is, for error messages."""
     step = self.manager.latest_step()
     if step is None:
-      return None
-    where = os.path.join(self.manager.directory, str(step))
+      return f"No checkpoint was saved in {self.directory}: a rerun starts from step 0."
+    return (f"The newest checkpoint is {self._where(step)} (step {step}): rerunning the same "
+            "command resumes from it.")
+
+  def finish_after_error(self) -> str:
+    """Waits for the save in flight, so it is kept whole; returns ``newest()``."""
     try:
-      meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except Exception as e:  # Unreadable metadata: refuse rather than guess.
-      raise CheckpointMismatchError(
-          f"Checkpoint {where} is unreadable ({type(e).__name__}: {e}). Delete it to resume from "
-          "an older one, or use a fresh --workdir.") from e
-    diff = {k: (meta["identity"].get(k), v) for k, v in self.identity.items()
-            if meta["identity"].get(k) != v}
-    if diff:
-      lines = "\n".join(f"  {k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in diff.items())
-      raise CheckpointMismatchError(
-          f"The checkpoint in {where} comes from an incompatible config:\n{lines}\n"
-          "Resuming would change the algorithm. Use a fresh --workdir, or restore the config.")
-    try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state)))
-    except Exception as e:
-      raise CheckpointMismatchError(
-          f"Checkpoint {where} does not match this run's state ({type(e).__name__}: {e}). "
-          "Delete it or use a fresh --workdir.") from e
-    return restored["state"], meta
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      return f"Saving checkpoint {self.saved_step} failed ({type(e).__name__}: {e}). " + self.newest()
+    return self.newest()
 
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
 
 
-class _Preemption:
-  """Turns SIGTERM into a stop the loop checks, so it can checkpoint and exit.
+def _first_line(e: BaseException) -> str:
+  return (str(e).strip().splitlines() or [""])[0][:300]
 
-  With several processes, JAX's own notifier catches SIGTERM and the processes
-  agree on the step to stop at, so that they all save the same one.
+
+class WorkdirLock:
+  """``workdir/lock``, held (``flock``) by process 0 of the run that uses the workdir.
+
+  The kernel releases the lock when its process ends in any way, kill -9
+  included, so a lock file left behind by a dead run is stale and is taken
+  over; the file names the holder for the error a second run gets.
   """
 
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, "lock")
+    self.file = None
+
+  def acquire(self) -> None:
+    try:
+      self.file = open(self.path, "a+")
+    except OSError as e:
+      raise WorkdirError(f"Cannot write in --workdir {os.path.dirname(self.path)} ({e.strerror}): "
+                         "give a directory this user can write.") from e
+    try:
+      fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      self.file.seek(0)
+      holder = self.file.read().strip() or "another process"
+      self.file.close()
+      raise WorkdirError(
+          f"--workdir {os.path.dirname(self.path)} is in use by {holder}. Two runs in one "
+          "workdir would mix their checkpoints and metrics: wait for it to end, stop it, or "
+          "use another --workdir.") from None
+    self.file.seek(0)
+    previous = self.file.read().strip()
+    if previous:
+      logging.info("Taking over the lock of an ended run (%s).", previous)
+    self.file.seek(0)
+    self.file.truncate()
+    self.file.write(f"pid {os.getpid()} on host {socket.gethostname()} "
+                    f"(started {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+    self.file.flush()
+
+  def release(self) -> None:
+    if self.file is not None:
+      self.file.close()  # Closing releases the flock.
+      self.file = None
+
+
+def _prepare_workdir(workdir: str) -> WorkdirLock | None:
+  """Creates ``workdir`` and, on process 0, locks it; raises WorkdirError naming the fix."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise WorkdirError(f"--workdir {workdir} is a file, not a directory: give a directory path.")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise WorkdirError(f"Cannot create --workdir {workdir} ({e.strerror}): give a path this "
+                       "user can write.") from e
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise WorkdirError(f"--workdir {workdir} is not writable: give a directory this user can "
+                       "write.")
+  if jax.process_index() != 0:
+    return None
+  lock = WorkdirLock(workdir)
+  lock.acquire()
+  return lock
+
+
+class _Interrupts:
+  """SIGTERM and Ctrl-C (SIGINT) become a stop the loop checks, so it can checkpoint and exit.
+
+  After the first Ctrl-C, a second one exits at once (the default action), for
+  a user who does not want to wait for the step to end. With several
+  processes, JAX's own notifier catches SIGTERM and the processes agree on the
+  step to stop at, so that they all save the same one; Ctrl-C keeps Python's
+  default there.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
   def __init__(self):
-    self.requested = False
-    self._previous = None
+    self.requested = None  # The name of the signal that asked to stop.
+    self._previous = {}
 
   def __enter__(self):
     if jax.process_count() > 1:
       return self
     try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      for s in self.SIGNALS:
+        self._previous[s] = signal.signal(s, self._handle)
     except ValueError:  # Not the main thread: no handler (and no preemption save).
-      self._previous = None
+      pass
     return self
 
   def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
+    del frame
+    self.requested = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.SIG_DFL)
+      sys.stderr.write("\nInterrupted: saving a checkpoint at the end of this step, then "
+                       "stopping. Press Ctrl-C again to exit at once, without it.\n")
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for s, previous in self._previous.items():
+      signal.signal(s, previous)
 
   def stop_at(self, step: int) -> bool:
     """Whether to checkpoint and stop after ``step``; every process calls it once per step."""
     if jax.process_count() > 1:
-      return multihost_utils.reached_preemption_sync_point(step)
-    return self.requested
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.requested = "SIGTERM"
+      return self.requested is not None
+    return self.requested is not None
+
+
+def _read_jsonl(path: str) -> list[dict]:
+  rows = []
+  with open(path) as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:  # A line cut short by a kill.
+        pass
+  return rows
 
 
 class MetricsLog:
-  """metrics.jsonl and TensorBoard events, written by process 0 only."""
+  """metrics.jsonl and TensorBoard events, written by process 0 only.
 
-  def __init__(self, workdir: str):
+  On a resume from ``start``, rows after ``start`` (written by a run that
+  ended before it checkpointed them) are dropped, so the file holds one
+  trajectory: a replayed step appears once.
+  """
+
+  def __init__(self, workdir: str, start: int = 0):
     self.enabled = jax.process_index() == 0
     if self.enabled:
+      path = os.path.join(workdir, "metrics.jsonl")
+      if os.path.exists(path):
+        kept = [r for r in _read_jsonl(path) if r.get("step", 0) <= start]
+        with open(path + ".tmp", "w") as f:
+          f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(path + ".tmp", path)
       # Imports TensorFlow (seconds), which the other processes never need.
       from flax.metrics import tensorboard  # pylint: disable=g-import-not-at-top
-      self.file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      self.file = open(path, "a")
       self.tb = tensorboard.SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, metrics: dict) -> None:
@@ -322,14 +537,37 @@ def _scalars(metrics: dict) -> dict:
   return out
 
 
-def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains per ``c``, resuming from ``workdir``; returns the summary."""
-  config_lib.validate(c)
-  os.makedirs(workdir, exist_ok=True)
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(c.to_json_best_effort(indent=2))
+def _model_kwargs(c) -> dict:
+  """``config.model_kwargs`` for ``config.model``, without the keys it does not take.
 
+  A config's ``model_kwargs`` are written for its own model, and an override
+  cannot remove a key; so ``--config.model=resnet18`` on the digits config
+  drops the residual MLP's ``hidden`` and ``num_blocks``, and says so.
+  """
+  kwargs = dict(c.model_kwargs)
+  # Flax modules are dataclasses: their init fields are the options they take.
+  module = models.create_model(c.model, num_classes=1)
+  taken = [f.name for f in dataclasses.fields(module)
+           if f.init and f.name not in ("parent", "name", "num_classes")]
+  dropped = sorted(set(kwargs) - set(taken))
+  if dropped:
+    logging.warning("model=%s takes no %s: ignoring those model_kwargs (it takes %s).",
+                    c.model, ", ".join(dropped), ", ".join(taken))
+  return {k: v for k, v in kwargs.items() if k not in dropped}
+
+
+class _Run(NamedTuple):
+  """What the loop needs, built from the config."""
+  dataset: Any
+  mesh: Any
+  runner: Runner
+  evaluate: Callable
+  lr: optax.Schedule
+  num_steps: int
+  global_batch: int
+
+
+def _build(c) -> _Run:
   dataset = data.get_dataset(c.dataset, data_dir=c.data_dir or None)
   global_batch = c.num_workers * c.per_worker_batch_size
   steps_per_epoch = max(1, dataset.num_train // global_batch)
@@ -338,7 +576,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   lr = learning_rate_schedule(c, steps_per_epoch, num_steps)
   tx = make_optimizer(c, lr)
 
-  model = models.create_model(c.model, dataset.num_classes, **c.model_kwargs)
+  model = models.create_model(c.model, dataset.num_classes, **_model_kwargs(c))
   sample = jnp.zeros((1,) + tuple(dataset.image_shape), jnp.float32)
   # XLA's RNG-bit-generator: a ResNet's ~60 initialisers compile ~4x faster
   # than with threefry (seconds, not a minute, on a CPU).
@@ -346,22 +584,70 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   variables = dict(jax.jit(lambda k: model.init(k, sample, train=False))(init_key))
   mesh = make_mesh(c)
   runner = build_runner(c, model, tx, variables, sample, mesh)
-  evaluate = make_eval_fn(model, mesh)
+  return _Run(dataset, mesh, runner, make_eval_fn(model, mesh), lr, num_steps, global_batch)
 
+
+def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains per ``c``, resuming from ``workdir``; returns the summary.
+
+  Raises:
+    TrainError: a user error or a diverged run; the message says what to do.
+  """
+  config_lib.validate(c)
+  lock = _prepare_workdir(workdir)
+  try:
+    return _train_locked(c, workdir)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train_locked(c, workdir: str) -> dict:
+  run = _build(c)
   checkpointer = Checkpointer(workdir, c)
-  state = runner.init()
+  state = run.runner.init()
   start = 0
   restored = checkpointer.restore_latest(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
   if restored is not None:
     state, meta = restored
     start = meta["data_position"]
-  log = MetricsLog(workdir)
-  batches = dataset.train_batches(global_batch, seed=c.seed, start_step=start,
+  # Only now, after the checks: config.json describes the run the checkpoints hold.
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(c.to_json_best_effort(indent=2))
+  summary_path = os.path.join(workdir, "summary.json")
+  if start >= run.num_steps and os.path.exists(summary_path):
+    checkpointer.close()
+    logging.warning("The run in %s already reached step %d of %d: nothing to do.", workdir,
+                    start, run.num_steps)
+    with open(summary_path) as f:
+      return json.load(f)
+  log = MetricsLog(workdir, start)
+  try:
+    summary = _loop(c, run, state, start, checkpointer, log)
+  except BaseException as e:
+    where = checkpointer.finish_after_error()
+    if isinstance(e, Exception):
+      e.add_note(where)
+    raise
+  finally:
+    log.close()
+  checkpointer.close()
+  if jax.process_index() == 0:
+    with open(summary_path, "w") as f:
+      json.dump(summary, f, indent=2)
+  return summary
+
+
+def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer, log: MetricsLog) -> dict:
+  """Steps ``start`` to ``num_steps``; returns the summary."""
+  dataset, mesh, runner, num_steps = run.dataset, run.mesh, run.runner, run.num_steps
+  batches = dataset.train_batches(run.global_batch, seed=c.seed, start_step=start,
                                   process_index=jax.process_index(),
                                   process_count=jax.process_count())
 
-  def eval_now():
-    return evaluate(runner.variables(state), dataset.eval_batches(
+  def eval_now(state):
+    return run.evaluate(runner.variables(state), dataset.eval_batches(
         c.eval_batch_size, process_index=jax.process_index(), process_count=jax.process_count()))
 
   def check_and_log(step, metrics):
@@ -369,51 +655,63 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
     metrics = jax.device_get(metrics)
     loss = float(np.mean(metrics["loss"]))
     if not math.isfinite(loss):
-      raise FloatingPointError(
+      raise NonFiniteError(
           f"Non-finite training loss {loss} at step {step}. Lower --config.learning_rate, or "
           "resume from the last checkpoint with a smaller one.")
     if step % c.log_every_steps == 0 or step == num_steps:
-      log.write(step, {**_scalars(metrics), "train/learning_rate": float(lr(step - 1))})
+      log.write(step, {**_scalars(metrics), "train/learning_rate": float(run.lr(step - 1))})
 
   t0 = time.time()
   pending = None  # The previous step's metrics, fetched after the next step is dispatched.
   step = start
+  eval_metrics, eval_step = {}, None
   progress = tqdm.tqdm(total=num_steps, initial=start, disable=jax.process_index() != 0,
                        desc="train", unit="step")
-  eval_metrics = {}
-  preempted = False
-  with _Preemption() as preemption:
-    while step < num_steps:
-      state, metrics = runner.step(state, to_global(next(batches), mesh))
-      step += 1
+  try:
+    with _Interrupts() as interrupts:
+      while step < num_steps:
+        state, metrics = runner.step(state, to_global(next(batches), mesh))
+        step += 1
+        if pending is not None:
+          check_and_log(*pending)
+        pending = (step, metrics)
+        progress.update(1)
+        stop = interrupts.stop_at(step)
+        save = step % c.checkpoint_every_steps == 0 or step == num_steps or stop
+        evaluate = step % c.eval_every_steps == 0 or step == num_steps
+        if save or evaluate:
+          check_and_log(*pending)
+          pending = None
+        if save:
+          # A checkpoint is a promise that training can go on from it: only
+          # finite parameters are saved (checked only on the steps that save).
+          if not bool(_all_finite(metrics["loss"], runner.variables(state))):
+            raise NonFiniteError(
+                f"The parameters after step {step} are not finite (the loss of that step was "
+                "finite): not saving them. Lower --config.learning_rate, or resume from the "
+                "last checkpoint with a smaller one.")
+          checkpointer.save(step, state, data_position=step)
+        if evaluate:
+          eval_metrics, eval_step = eval_now(state), step
+          log.write(step, eval_metrics)
+          progress.set_postfix(acc=f"{eval_metrics['eval/accuracy']:.3f}")
+        if stop:
+          break
       if pending is not None:
         check_and_log(*pending)
-      pending = (step, metrics)
-      progress.update(1)
-      if step % c.eval_every_steps == 0 or step == num_steps:
-        check_and_log(*pending)
-        pending = None
-        eval_metrics = eval_now()
-        log.write(step, eval_metrics)
-        progress.set_postfix(acc=f"{eval_metrics['eval/accuracy']:.3f}")
-      stop = preemption.stop_at(step)
-      if step % c.checkpoint_every_steps == 0 or step == num_steps or stop:
-        checkpointer.save(step, state, data_position=step, seed=c.seed)
-      if stop:
-        preempted = True
-        break
-    if pending is not None:
-      check_and_log(*pending)
-  progress.close()
+  finally:
+    progress.close()
   wall = time.time() - t0
-  checkpointer.close()
-  log.close()
-  summary = {"final_step": step, "num_train_steps": num_steps, "preempted": preempted,
-             "wall_time_s": wall, "steps_per_second": (step - start) / wall if wall else 0.0,
-             **{k.replace("eval/", "final_"): v for k, v in eval_metrics.items()}}
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
+  if step == num_steps and eval_step != step:  # Finished earlier, but no summary was written.
+    eval_metrics, eval_step = eval_now(state), step
+  summary = {"final_step": step, "num_train_steps": num_steps,
+             "preempted": interrupts.requested is not None, "stopped_by": interrupts.requested,
+             "wall_time_s": wall,
+             "steps_per_second": (step - start) / wall if step > start else None,
+             "eval_step": eval_step}
+  # final_* only for an evaluation of the final parameters; otherwise say which step.
+  prefix = "final_" if eval_step == step else "eval_"
+  summary.update({k.replace("eval/", prefix): v for k, v in eval_metrics.items()})
   return summary
 
 
