@@ -13,12 +13,18 @@ forward of stage ``j`` runs at ``start + j``, its backward at ``start + 2J-1-j``
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 RULES = ("dp", "cdp-v1", "cdp-v2", "cdp-v2-paper")
 """Named rules. ``cdp-v2-paper`` is the authors' code variant (``j >= J-1-i`` fresh)."""
+
+DYNAMIC_RULES = ("random", "straggler")
+"""Named rules whose delays are given per step by a ``DelayRule`` (see ``make_rule``)."""
+
+DISTRIBUTIONS = ("uniform", "geometric")
+"""Laws of the ``random`` rule's entries on ``0..D``; see ``random_rule``."""
 
 
 def _check_sizes(num_workers: int, num_stages: int) -> None:
@@ -86,8 +92,11 @@ def max_delay(rule) -> int:
   """``D``, the staleness bound a rule needs state for (``D + 1`` versions kept).
 
   Named rules other than ``dp`` keep one stale version whatever ``N`` and ``J``
-  are, so the state's layout depends on the rule only.
+  are, so the state's layout depends on the rule only. A ``DelayRule`` states
+  its own bound.
   """
+  if isinstance(rule, DelayRule):
+    return rule.max_delay
   if isinstance(rule, str):
     if rule not in RULES:
       delay_matrix(rule, 1, 1)  # Raises the unknown-rule error.
@@ -286,3 +295,145 @@ def communication_profile(events, num_workers: int, num_stages: int) -> Communic
     reduction_ticks[e.step, e.stage] = max(reduction_ticks[e.step, e.stage], end)
   times = np.arange(contributions.size) / num_workers
   return CommunicationProfile(times, contributions, reduction_ticks / num_workers)
+
+
+# Delays that change every step.
+
+
+class DelayRule(NamedTuple):
+  """A rule whose ``(N, J)`` delay matrix may change at every step.
+
+  ``rule(step)`` is the matrix of step ``step``: int32 entries in
+  ``0..max_delay``, a pure function of the step (and of the seed the factory
+  closed over), so a resumed run reads the same delays and any run can be
+  replayed from its config. The engine takes the matrix as data: a new matrix
+  never recompiles the step.
+
+  Attributes:
+    name: what the rule is, for logs (``"random(uniform, D=2, seed=0)"``).
+    num_workers: ``N``.
+    num_stages: ``J``.
+    max_delay: ``D``; the state keeps the ``D + 1`` newest versions.
+    delays_at: ``step -> (N, J)`` integer array.
+  """
+  name: str
+  num_workers: int
+  num_stages: int
+  max_delay: int
+  delays_at: Callable[[int], np.ndarray]
+
+  def __call__(self, step: int) -> np.ndarray:
+    """The checked delay matrix of ``step``."""
+    d = validate_delay_matrix(self.delays_at(int(step)), self.num_workers, self.num_stages)
+    if d.max(initial=0) > self.max_delay:
+      raise ValueError(
+          f"{self.name} gave delay {d.max()} at step {step}, above its max_delay "
+          f"{self.max_delay}: clip the function's output or raise max_delay.")
+    return d
+
+  def window(self, start: int, count: int) -> np.ndarray:
+    """The matrices of steps ``start .. start + count - 1``, shape ``(count, N, J)``."""
+    return np.stack([self(start + k) for k in range(count)])
+
+
+def _check_max_delay(value) -> int:
+  if isinstance(value, (bool, np.bool_)) or int(value) != value or value < 0:
+    raise ValueError(f"max_delay must be an integer >= 0, got {value!r}.")
+  return int(value)
+
+
+def truncated_geometric(max_delay: int, p: float) -> np.ndarray:
+  """``P(d = k) = p (1-p)^k / Z`` on ``k = 0..D``: a geometric law truncated at ``D``."""
+  if not 0 < p <= 1:
+    raise ValueError(f"The geometric law needs 0 < p <= 1, got p={p!r}.")
+  probs = p * (1 - p) ** np.arange(_check_max_delay(max_delay) + 1)
+  return probs / probs.sum()
+
+
+def delay_probabilities(distribution: str, max_delay: int, p: float = 0.5) -> np.ndarray:
+  """The law of one entry of the ``random`` rule on ``0..D``."""
+  max_delay = _check_max_delay(max_delay)
+  if distribution == "uniform":
+    return np.full(max_delay + 1, 1.0 / (max_delay + 1))
+  if distribution == "geometric":
+    return truncated_geometric(max_delay, p)
+  raise ValueError(f"Unknown delay distribution {distribution!r}: use one of {DISTRIBUTIONS}.")
+
+
+def random_rule(num_workers: int, num_stages: int, max_delay: int, *,
+                distribution: str = "uniform", p: float = 0.5, seed: int = 0) -> DelayRule:
+  """Entries drawn i.i.d. from ``distribution`` on ``0..D``, afresh every step.
+
+  ``uniform``: each of ``0..D`` with probability ``1/(D+1)``. ``geometric``:
+  ``P(k) = p (1-p)^k`` renormalised on ``0..D`` (``truncated_geometric``). The
+  draws of step ``t`` come from ``numpy.random.default_rng((seed, t))``: a pure
+  function of ``(seed, t)``.
+  """
+  _check_sizes(num_workers, num_stages)
+  probs = delay_probabilities(distribution, max_delay, p)
+  law = distribution if distribution == "uniform" else f"geometric p={p}"
+
+  def delays_at(step):
+    rng = np.random.default_rng((int(seed), int(step)))
+    return rng.choice(probs.size, size=(num_workers, num_stages), p=probs).astype(np.int32)
+
+  return DelayRule(f"random({law}, D={max_delay}, seed={seed})", num_workers, num_stages,
+                   int(max_delay), delays_at)
+
+
+def straggler_rule(num_workers: int, num_stages: int, max_delay: int, *,
+                   stragglers=1, base: str = "cdp-v2") -> DelayRule:
+  """Persistent stragglers: their gradients are ``D`` steps old at every stage.
+
+  The slow workers' gradients reach the update ``D`` steps after they read
+  their parameters, as in asynchronous SGD with a slow node, so every stage of
+  their rows reads ``theta_{t-D}``; the other workers follow ``base``.
+
+  Args:
+    num_workers: ``N``.
+    num_stages: ``J``.
+    max_delay: ``D >= 1``, the stragglers' delay.
+    stragglers: how many slow workers (the last ones, which start last on the
+      cyclic timeline) as an int, or their indices as a sequence.
+    base: the named rule of the other workers.
+  """
+  _check_sizes(num_workers, num_stages)
+  max_delay = _check_max_delay(max_delay)
+  if isinstance(stragglers, (int, np.integer)):
+    if not 0 <= stragglers <= num_workers:
+      raise ValueError(f"stragglers={stragglers} must be in 0..num_workers={num_workers}.")
+    rows = list(range(num_workers - int(stragglers), num_workers))
+  else:
+    rows = sorted({int(i) for i in stragglers})
+    if any(not 0 <= i < num_workers for i in rows):
+      raise ValueError(f"Straggler indices {rows} must lie in 0..{num_workers - 1}.")
+  matrix = delay_matrix(base, num_workers, num_stages).copy()
+  if matrix.max(initial=0) > max_delay:
+    raise ValueError(f"max_delay={max_delay} is below the {base!r} rule's delays: use max_delay >= 1.")
+  matrix[rows] = max_delay
+  return DelayRule(f"straggler(workers={rows}, D={max_delay}, base={base})", num_workers,
+                   num_stages, max_delay, lambda step: matrix)
+
+
+def function_rule(fn: Callable[[int, int, int], np.ndarray], num_workers: int, num_stages: int,
+                  max_delay: int, name: str = "function") -> DelayRule:
+  """Any user function ``fn(step, N, J) -> (N, J)`` matrix with entries in ``0..D``.
+
+  ``fn`` must be a pure function of its arguments for runs to resume exactly.
+  """
+  _check_sizes(num_workers, num_stages)
+  return DelayRule(name, num_workers, num_stages, _check_max_delay(max_delay),
+                   lambda step: fn(step, num_workers, num_stages))
+
+
+def make_rule(rule: str, num_workers: int, num_stages: int, *, max_delay: int = 1,
+              distribution: str = "uniform", p: float = 0.5, stragglers=1, seed: int = 0):
+  """A named rule: the matrix of ``RULES`` or the ``DelayRule`` of ``DYNAMIC_RULES``."""
+  if rule == "random":
+    return random_rule(num_workers, num_stages, max_delay, distribution=distribution, p=p,
+                       seed=seed)
+  if rule == "straggler":
+    return straggler_rule(num_workers, num_stages, max_delay, stragglers=stragglers)
+  if isinstance(rule, str) and rule not in RULES:
+    raise ValueError(f"Unknown rule {rule!r}. Use one of {', '.join(RULES + DYNAMIC_RULES)}.")
+  return rule

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import config as config_lib
-from cdpjax import data, engine, models, stages
+from cdpjax import data, engine, models, schedule, stages
 
 
 class Runner(NamedTuple):
@@ -101,12 +101,13 @@ def _data_runner(c, model, tx, variables, sample, mesh) -> Runner:
                                       mutable=list(state))
       return cross_entropy(logits, batch["label"]), new_state
 
-  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=c.rule, mesh=mesh,
+  rule = config_lib.delay_rule(c)  # A DelayRule gives the engine each step's delays as data.
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
                                 backend=c.backend, with_model_state=model_state is not None)
   replicated = NamedSharding(mesh, P())
   return Runner(
       init=lambda: jax.device_put(
-          engine.init_state(params, tx, rule=c.rule, model_state=model_state), replicated),
+          engine.init_state(params, tx, rule=rule, model_state=model_state), replicated),
       step=step,
       variables=lambda s: {"params": s.params, **(s.model_state or {})})
 
@@ -196,11 +197,15 @@ class CheckpointMismatchError(ValueError):
 # Keys whose change makes a checkpoint a different algorithm or model.
 IDENTITY_KEYS = ("rule", "num_workers", "num_stages", "parallelism", "model", "model_kwargs",
                  "dataset", "optimizer", "stage_strategy")
+# With rule=random or straggler, these also fix the delays (and the state's size).
+DELAY_IDENTITY_KEYS = ("max_delay", "delay_distribution", "delay_geometric_p", "num_stragglers",
+                       "seed")
 
 
 def _identity(c) -> dict:
+  keys = IDENTITY_KEYS + (DELAY_IDENTITY_KEYS if c.rule in schedule.DYNAMIC_RULES else ())
   return json.loads(json.dumps({k: c[k].to_dict() if hasattr(c[k], "to_dict") else c[k]
-                                for k in IDENTITY_KEYS}))
+                                for k in keys}))
 
 
 class Checkpointer:
