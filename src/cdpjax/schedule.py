@@ -130,6 +130,8 @@ class Event(NamedTuple):
     kind: ``"fwd"`` or ``"bwd"``.
     version: index ``v`` of the parameters ``theta^j_v`` used; the backward uses
       its forward's version.
+    duration: how long the event lasts, in slots: 1 on the equal-speed
+      timeline, ``(1 + jitter) / speed`` of its worker with ``speeds``.
   """
   slot: Fraction
   worker: int
@@ -137,10 +139,16 @@ class Event(NamedTuple):
   stage: int
   kind: str
   version: int
+  duration: Fraction = Fraction(1)
+
+  @property
+  def end(self) -> Fraction:
+    return self.slot + self.duration
 
 
 def timeline(rule, num_workers: int, num_stages: int, num_steps: int, *,
-             lockstep: bool | None = None) -> list[Event]:
+             lockstep: bool | None = None, speeds=None, jitter=None,
+             max_delay: int = 1) -> list[Event]:
   """Every stage forward and backward of ``num_steps`` steps, sorted by time.
 
   Versions: ``dp`` reads ``theta_t``; ``cdp-v2`` reads, at each forward's start,
@@ -149,6 +157,10 @@ def timeline(rule, num_workers: int, num_stages: int, num_steps: int, *,
   backwards of stage ``j`` of step ``t`` completes); ``cdp-v1``,
   ``cdp-v2-paper`` and explicit matrices read ``theta_{max(t - d[i, j], 0)}``.
 
+  With ``speeds`` (workers of unequal speed), the rule must be ``cdp-v2``, the
+  rule that reads the newest version available; see ``_uneven_timeline``.
+  Equal speeds give the equal-speed timeline exactly.
+
   Args:
     rule: a name in ``RULES`` or an ``(N, J)`` integer delay matrix.
     num_workers: ``N``.
@@ -156,6 +168,12 @@ def timeline(rule, num_workers: int, num_stages: int, num_steps: int, *,
     num_steps: number of training steps, ``>= 1``.
     lockstep: start every worker at offset 0 (the DP timeline). Defaults to
       ``True`` for ``dp`` only.
+    speeds: ``N`` positive numbers; worker ``i``'s events last ``1 / speeds[i]``
+      slots. Floats are taken exactly (as binary fractions).
+    jitter: optional ``(num_steps, N)`` array of numbers ``>= 0``: at step ``t``
+      worker ``i``'s events last ``(1 + jitter[t, i]) / speeds[i]``.
+    max_delay: ``D`` with ``speeds``: a forward waits until its stage has
+      ``theta_{t-D}``, so delays stay in ``0..D`` (bounded staleness).
 
   Returns:
     ``Event``s sorted by ``(slot, worker, step, stage, kind)``.
@@ -165,6 +183,13 @@ def timeline(rule, num_workers: int, num_stages: int, num_steps: int, *,
     raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}.")
   if lockstep is None:
     lockstep = isinstance(rule, str) and rule == "dp"
+  if speeds is not None or jitter is not None:
+    if not (isinstance(rule, str) and rule == "cdp-v2"):
+      raise ValueError(
+          f"speeds and jitter derive the delays from the timeline, which is the cdp-v2 rule "
+          f"(read the newest version available); got rule {rule!r}. Use rule='cdp-v2'.")
+    return _uneven_timeline(num_workers, num_stages, num_steps, speeds, jitter,
+                            _check_max_delay(max_delay), lockstep)
   period = 2 * num_stages
 
   def start(i, t):
@@ -197,6 +222,95 @@ def timeline(rule, num_workers: int, num_stages: int, num_steps: int, *,
         events.append(Event(fwd_slot(i, t, j), i, t, j, "fwd", v))
         events.append(Event(bwd_slot(i, t, j), i, t, j, "bwd", v))
   return sorted(events)
+
+
+def _exact(x, what: str) -> Fraction:
+  try:
+    return Fraction(x)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{what} must be finite numbers, got {x!r}.") from e
+
+
+def _uneven_timeline(num_workers, num_stages, num_steps, speeds, jitter, max_delay, lockstep):
+  """The cyclic timeline with workers of unequal (and jittered) speeds.
+
+  Worker ``i`` runs its steps back to back from offset ``i*2J/N`` (0 in
+  lockstep), each event lasting ``u = (1 + jitter[t, i]) / speeds[i]`` slots.
+  Stage ``j`` of ``theta_{t+1}`` exists once the last of the ``N`` backwards of
+  stage ``j`` of step ``t`` has ended. A forward reads the newest version of
+  its stage that exists when it starts, and first waits, if needed, until
+  ``theta_{t-D}`` exists; so ``0 <= t - version <= D``. Exact arithmetic.
+  """
+  speeds = [Fraction(1)] * num_workers if speeds is None else [
+      _exact(s, "speeds") for s in speeds]
+  if len(speeds) != num_workers or min(speeds) <= 0:
+    raise ValueError(f"speeds needs {num_workers} positive numbers (one per worker), got {speeds}.")
+  jitter = np.zeros((num_steps, num_workers)) if jitter is None else np.asarray(jitter)
+  if jitter.shape != (num_steps, num_workers) or not np.all(jitter >= 0):
+    raise ValueError(
+        f"jitter must be a (num_steps, num_workers) = ({num_steps}, {num_workers}) array of "
+        f"numbers >= 0 (extra time per slot, relative); got shape {jitter.shape}.")
+  period = 2 * num_stages
+  clocks = [Fraction(0) if lockstep else Fraction(i * period, num_workers)
+            for i in range(num_workers)]
+  ready = []  # ready[v][j]: when stage j of theta_{v+1} exists.
+  events = []
+  for t in range(num_steps):
+    bwd_ends = np.empty((num_workers, num_stages), dtype=object)
+    for i in range(num_workers):
+      u = (1 + _exact(jitter[t, i], "jitter")) / speeds[i]
+      versions = []
+      for j in range(num_stages):
+        if t - max_delay >= 1:  # Bounded staleness: wait for theta_{t-D}.
+          clocks[i] = max(clocks[i], ready[t - max_delay - 1][j])
+        versions.append(sum(1 for row in ready if row[j] <= clocks[i]))
+        events.append(Event(clocks[i], i, t, j, "fwd", versions[j], u))
+        clocks[i] += u
+      for j in reversed(range(num_stages)):
+        events.append(Event(clocks[i], i, t, j, "bwd", versions[j], u))
+        clocks[i] += u
+        bwd_ends[i, j] = clocks[i]
+    ready.append([max(bwd_ends[:, j]) for j in range(num_stages)])
+  return sorted(events)
+
+
+def delays_per_step(events, num_workers: int, num_stages: int) -> np.ndarray:
+  """``t - version`` of every forward: the ``(num_steps, N, J)`` delays a timeline realises.
+
+  Unlike ``delays_from_timeline`` (the steady state), every step is kept: a
+  rule replaying them reads exactly the timeline's versions, ``theta_0``
+  included.
+  """
+  _check_sizes(num_workers, num_stages)
+  num_steps = max(e.step for e in events) + 1
+  delays = np.full((num_steps, num_workers, num_stages), -1, dtype=np.int32)
+  for e in events:
+    if e.kind == "fwd":
+      delays[e.step, e.worker, e.stage] = e.step - e.version
+  if delays.min() < 0:
+    raise ValueError("The timeline misses the forward of some (step, worker, stage).")
+  return delays
+
+
+def timeline_rule(speeds, num_stages: int, num_steps: int, *, jitter=None,
+                  max_delay: int = 1) -> DelayRule:
+  """The ``DelayRule`` of the uneven timeline: step ``t``'s delays from its events.
+
+  Defined for steps ``0 .. num_steps - 1`` (the timeline is computed once).
+  """
+  num_workers = len(speeds)
+  events = timeline("cdp-v2", num_workers, num_stages, num_steps, speeds=speeds,
+                    jitter=jitter, max_delay=max_delay)
+  table = delays_per_step(events, num_workers, num_stages)
+
+  def delays_at(step):
+    if not 0 <= step < num_steps:
+      raise ValueError(f"This timeline rule covers steps 0..{num_steps - 1}, not {step}: "
+                       "build it with a larger num_steps.")
+    return table[step]
+
+  return DelayRule(f"timeline(speeds={list(speeds)}, D={max_delay})", num_workers, num_stages,
+                   int(max_delay), delays_at)
 
 
 def delays_from_timeline(events, num_workers: int, num_stages: int) -> np.ndarray:
