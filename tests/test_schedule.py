@@ -21,7 +21,7 @@ def newest_available(events):
   for e in events:
     if e.kind == "bwd":
       key = (e.step + 1, e.stage)
-      ready[key] = max(ready.get(key, e.slot + 1), e.slot + 1)
+      ready[key] = max(ready.get(key, e.end), e.end)
   def newest(e):
     return max(v for v in range(e.step + 2)
                if v == 0 or ready.get((v, e.stage), math.inf) <= e.slot)
@@ -222,3 +222,49 @@ def test_profile_errors():
     schedule.communication_profile([], 2, 2)
   with pytest.raises(ValueError, match="1/2 slot grid"):
     schedule.activation_profile([schedule.Event(Fraction(1, 3), 0, 0, 0, "fwd", 0)], 2, 1)
+
+
+# Workers of unequal speed.
+
+
+@pytest.mark.parametrize("n,j", [(1, 1), (2, 4), (3, 3), (4, 2), (5, 3), (8, 4)])
+def test_equal_speeds_reduce_to_cdp_v2(n, j):
+  events = schedule.timeline("cdp-v2", n, j, 5, speeds=[1.0] * n, max_delay=2)
+  assert events == schedule.timeline("cdp-v2", n, j, 5)
+  np.testing.assert_array_equal(schedule.delays_per_step(events, n, j)[-1],
+                                schedule.delay_matrix("cdp-v2", n, j))
+
+
+def test_uneven_speeds_read_the_newest_version_within_the_bound():
+  n, j, steps, bound = 4, 3, 10, 2
+  jitter = np.random.default_rng(0).uniform(0, 0.6, size=(steps, n))
+  events = schedule.timeline("cdp-v2", n, j, steps, speeds=[1, 1.5, 1, 0.6], jitter=jitter,
+                             max_delay=bound)
+  delays = schedule.delays_per_step(events, n, j)
+  assert delays.max() == bound and delays.min() == 0
+  newest = newest_available(events)
+  by_key = {(e.worker, e.step, e.stage): e for e in events if e.kind == "fwd"}
+  for key, e in by_key.items():
+    # The newest version, unless the forward waited for theta_{t-D} (then it is exactly that).
+    assert e.version == newest[key] or e.version == e.step - bound
+  # Each worker's events are back to back, each (1 + jitter) / speed long.
+  for i, speed in enumerate([1, 1.5, 1, 0.6]):
+    mine = [e for e in events if e.worker == i]
+    assert all(e.duration == (1 + Fraction(jitter[e.step, i])) / Fraction(speed) for e in mine)
+    assert all(a.end <= b.slot for a, b in zip(mine, mine[1:]))
+  # The slowest worker's gradients close every update: it never waits, so it reads fresh.
+  assert not delays[2:, 3].any() and (delays[-1, :3] == bound).all()
+
+
+def test_timeline_rule_replays_the_timeline():
+  rule = schedule.timeline_rule([1, 1, 0.5], 2, 6, max_delay=2)
+  events = schedule.timeline("cdp-v2", 3, 2, 6, speeds=[1, 1, 0.5], max_delay=2)
+  np.testing.assert_array_equal(rule.window(0, 6), schedule.delays_per_step(events, 3, 2))
+  with pytest.raises(ValueError, match="covers steps 0..5, not 6"):
+    rule(6)
+  with pytest.raises(ValueError, match="rule='cdp-v2'"):
+    schedule.timeline("cdp-v1", 3, 2, 2, speeds=[1, 1, 1])
+  with pytest.raises(ValueError, match="speeds needs 3 positive numbers"):
+    schedule.timeline("cdp-v2", 3, 2, 2, speeds=[1, 0, 1])
+  with pytest.raises(ValueError, match="jitter must be a"):
+    schedule.timeline("cdp-v2", 3, 2, 2, jitter=np.ones((3, 3)))

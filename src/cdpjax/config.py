@@ -65,6 +65,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.model_kwargs = ml_collections.ConfigDict({"width": 128, "hidden": 256, "num_blocks": 4})
 
   c.rule = "cdp-v2"
+  # Delays that change every step (rule=random or straggler, parallelism=data):
+  # the state keeps max_delay + 1 versions; the draws depend on (seed, step) only.
+  c.max_delay = 2
+  c.delay_distribution = "uniform"  # random: uniform or geometric on 0..max_delay.
+  c.delay_geometric_p = 0.5  # P(k) ~ p (1-p)^k, truncated at max_delay.
+  c.num_stragglers = 1  # straggler: the last workers read theta_{t - max_delay}.
   c.parallelism = "data"
   c.backend = "shard_map"
   c.num_workers = 8
@@ -103,8 +109,15 @@ def shrink_for_smoke(c: ml_collections.ConfigDict, num_train_steps: int) -> None
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the fix for a config that cannot run."""
-  if c.rule not in schedule.RULES:
-    raise ValueError(f"Unknown rule {c.rule!r}: set --config.rule to one of {', '.join(schedule.RULES)}.")
+  rules = schedule.RULES + schedule.DYNAMIC_RULES
+  if c.rule not in rules:
+    raise ValueError(f"Unknown rule {c.rule!r}: set --config.rule to one of {', '.join(rules)}.")
+  if c.rule in schedule.DYNAMIC_RULES:
+    if c.parallelism != "data":
+      raise ValueError(
+          f"rule={c.rule!r} changes the delays every step, which only the update-rule engine "
+          "runs: use --config.parallelism=data.")
+    delay_rule(c)  # Raises on a bad max_delay, distribution or straggler count.
   for key, valid in (("parallelism", PARALLELISMS), ("backend", BACKENDS),
                      ("lr_schedule", LR_SCHEDULES), ("stage_strategy", STAGE_STRATEGIES)):
     if c[key] not in valid:
@@ -124,6 +137,18 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"parallelism={c.parallelism!r} runs N = J micro-batches: set --config.num_workers equal "
         f"to --config.num_stages (now {c.num_workers} and {c.num_stages}).")
+
+
+def delay_rule(c: ml_collections.ConfigDict):
+  """The rule the engine runs: a ``schedule.DelayRule`` for ``random``/``straggler``.
+
+  Its draws are a pure function of ``(config.seed, step)``, so the delays of a
+  run can be replayed with ``delay_rule(config)(step)``.
+  """
+  return schedule.make_rule(
+      c.rule, c.num_workers, c.num_stages, max_delay=c.max_delay,
+      distribution=c.delay_distribution, p=c.delay_geometric_p, stragglers=c.num_stragglers,
+      seed=c.seed)
 
 
 def num_devices(c: ml_collections.ConfigDict) -> int:

@@ -149,6 +149,23 @@ def _worker_view(versions, stage_of_leaf, delays, axis_name):
   return jax.tree.unflatten(treedef, view)
 
 
+def _dynamic_worker_view(versions, stage_of_leaf, delays_NxJ, axis_name):
+  """``_worker_view`` for a delay matrix that is data: ``D`` selects per leaf.
+
+  ``delays_NxJ`` is a traced int32 array, so the step serves every matrix with
+  entries in ``0..D`` without recompiling.
+  """
+  row = delays_NxJ[jax.lax.axis_index(axis_name)]
+  leaves = [jax.tree.leaves(v) for v in versions]
+  view = []
+  for k, stage in enumerate(stage_of_leaf):
+    leaf = jax.lax.pcast(leaves[0][k], axis_name, to="varying")
+    for version in range(1, len(versions)):
+      leaf = jnp.where(row[stage] == version, leaves[version][k], leaf)
+    view.append(leaf)
+  return jax.tree.unflatten(jax.tree.structure(versions[0]), view)
+
+
 def _placed(tree, sharding):
   """``tree`` on ``sharding``; a no-op check when it already is (every step after the first)."""
   # Equivalence, not equality: a shard_map output with out_specs=P() comes back
@@ -165,15 +182,61 @@ class TrainStep:
 
   ``lower(state, batch)`` gives the lowered program (for StableHLO, memory and
   cost inspection) after the same input checks and placement.
+
+  With a ``schedule.DelayRule``, ``step(state, batch, delays)`` takes the step's
+  ``(N, J)`` matrix (``(K, N, J)`` with ``scan_steps=K``) as data. Without
+  ``delays`` it reads them from the rule at the state's step: the step of a
+  state this ``TrainStep`` returned is known on the host, so only a foreign
+  state costs a device-to-host read of ``state.step``.
   """
   run: Callable
   prepare: Callable
+  rule: Any = None
+  scan_steps: int | None = None
+  _host_step: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
-  def __call__(self, state, batch):
-    return self.run(*self.prepare(state, batch))
+  def _step_of(self, state) -> int:
+    if self._host_step.get("array") is state.step:
+      return self._host_step["step"]
+    return int(jax.device_get(state.step))
 
-  def lower(self, state, batch):
-    return self.run.lower(*self.prepare(state, batch))
+  def _check_delays(self, delays) -> np.ndarray:
+    delays = np.asarray(delays)
+    shape = (self.rule.num_workers, self.rule.num_stages)
+    if self.scan_steps is not None:
+      shape = (self.scan_steps,) + shape
+    if delays.shape != shape:
+      raise ValueError(
+          f"delays have shape {delays.shape}; this step needs {shape} (one "
+          "(num_workers, num_stages) matrix per step).")
+    if delays.size and (delays.min() < 0 or delays.max() > self.rule.max_delay):
+      raise ValueError(
+          f"delays must lie in 0..{self.rule.max_delay} (the rule's max_delay: the state keeps "
+          f"that many stale versions); got {delays.min()}..{delays.max()}.")
+    return delays.astype(np.int32)
+
+  def __call__(self, state, batch, delays=None):
+    if self.rule is None:
+      if delays is not None:
+        raise ValueError("This step's delays are fixed; pass delays only with a schedule.DelayRule.")
+      return self.run(*self.prepare(state, batch))
+    count = self.scan_steps or 1
+    step = None
+    if delays is None:
+      step = self._step_of(state)
+      delays = self.rule.window(step, count) if self.scan_steps else self.rule(step)
+    new_state, metrics = self.run(*self.prepare(state, batch, self._check_delays(delays)))
+    if step is not None:  # Spares the next call a device-to-host read of the step.
+      self._host_step.update(array=new_state.step, step=step + count)
+    return new_state, metrics
+
+  def lower(self, state, batch, delays=None):
+    if self.rule is None:
+      return self.run.lower(*self.prepare(state, batch))
+    if delays is None:
+      count = self.scan_steps or 1
+      delays = self.rule.window(0, count) if self.scan_steps else self.rule(0)
+    return self.run.lower(*self.prepare(state, batch, self._check_delays(delays)))
 
 
 def make_train_step(
@@ -190,7 +253,10 @@ def make_train_step(
       New model states are averaged over workers (BatchNorm statistics).
     tx: any optax ``GradientTransformation``.
     stage_ids: the structure of ``params`` with an int stage on every leaf.
-    rule: a name of ``schedule.RULES`` or an ``(N, J)`` delay matrix.
+    rule: a name of ``schedule.RULES`` or an ``(N, J)`` delay matrix (static:
+      a stage every worker reads at the same version needs no select), or a
+      ``schedule.DelayRule`` whose per-step matrix is an input of the compiled
+      step (``D`` selects per leaf; any matrix in ``0..D``, no recompiling).
     mesh: a mesh with axis ``axis_name`` of size ``N`` (the workers).
     axis_name: the mesh axis of the workers.
     backend: ``"shard_map"`` (primary) or ``"pmap"``; same numbers.
@@ -203,7 +269,8 @@ def make_train_step(
   Returns:
     A ``TrainStep``; ``step(state, batch) -> (state, metrics)`` with metrics
     ``loss`` (mean over workers), ``grad_norm``, ``grad_norm_per_stage`` [J]
-    and ``param_norm`` (of the parameters the step read, ``theta_t``).
+    and ``param_norm`` (of the parameters the step read, ``theta_t``); with a
+    ``DelayRule``, also ``mean_delay`` (the matrix itself is ``rule(step)``).
   """
   if backend not in BACKENDS:
     raise ValueError(f"Unknown backend {backend!r}: use one of {BACKENDS}.")
@@ -214,19 +281,29 @@ def make_train_step(
   if scan_steps is not None and (int(scan_steps) != scan_steps or scan_steps < 1):
     raise ValueError(f"scan_steps must be a positive int or None, got {scan_steps!r}.")
   num_workers = int(mesh.shape[axis_name])
-  if isinstance(rule, str):
+  dynamic = isinstance(rule, schedule.DelayRule)
+  if dynamic:
+    if rule.num_workers != num_workers:
+      raise ValueError(
+          f"The delay rule is for {rule.num_workers} workers but the mesh axis {axis_name!r} "
+          f"has {num_workers}: build the rule with num_workers={num_workers}.")
+    num_stages = rule.num_stages
+  elif isinstance(rule, str):
     num_stages = num_stages_of(stage_ids) if jax.tree.leaves(stage_ids) else 1
   else:
     num_stages = int(np.shape(rule)[1]) if np.ndim(rule) == 2 else 0
-  delays = schedule.resolve(rule, num_workers, num_stages)
+  delays = None if dynamic else schedule.resolve(rule, num_workers, num_stages)
   stage_of_leaf = _check_stage_ids(stage_ids, num_stages)
   num_stale = schedule.max_delay(rule)
-  if delays.max(initial=0) > num_stale:
+  if not dynamic and delays.max(initial=0) > num_stale:
     raise ValueError(f"Delay matrix needs {delays.max()} stale versions; the state keeps {num_stale}.")
   ids_def = jax.tree.structure(stage_ids)
 
-  def one_step(state: CyclicState, batch):
-    view = _worker_view(state.versions, stage_of_leaf, delays, axis_name)
+  def one_step(state: CyclicState, batch, delays_NxJ=None):
+    if dynamic:
+      view = _dynamic_worker_view(state.versions, stage_of_leaf, delays_NxJ, axis_name)
+    else:
+      view = _worker_view(state.versions, stage_of_leaf, delays, axis_name)
     if with_model_state:
       (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
           view, state.model_state, batch)
@@ -247,31 +324,38 @@ def make_train_step(
         "grad_norm_per_stage": jnp.sqrt(sq_norms),
         "param_norm": optax.tree.norm(params),
     }
+    if dynamic:
+      metrics["mean_delay"] = jnp.mean(delays_NxJ.astype(jnp.float32))
     return CyclicState(state.step + 1, params, stale, opt_state, model_state), metrics
 
   if scan_steps is None:
     body = one_step
+  elif dynamic:
+    def body(state, batches, delays_KxNxJ):
+      return jax.lax.scan(lambda s, xs: one_step(s, *xs), state, (batches, delays_KxNxJ))
   else:
     def body(state, batches):
       return jax.lax.scan(one_step, state, batches)
 
   batch_axis = 0 if scan_steps is None else 1
   donate_argnums = (0,) if donate else ()
+  delay_specs = (P(),) if dynamic else ()
   if backend == "shard_map":
     batch_spec = P(axis_name) if scan_steps is None else P(None, axis_name)
     run = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P())),
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec) + delay_specs,
+                      out_specs=(P(), P())),
         donate_argnums=donate_argnums)
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, batch_spec)
   else:
     if len(mesh.axis_names) != 1:
       raise ValueError("The pmap backend needs a 1-D mesh; use backend='shard_map' for more axes.")
-    run = jax.pmap(body, axis_name, in_axes=(None, 0), out_axes=None,
+    run = jax.pmap(body, axis_name, in_axes=(None, 0) + (None,) * len(delay_specs), out_axes=None,
                    devices=list(mesh.devices.flat), donate_argnums=donate_argnums)
     replicated = batch_sharding = None
 
-  def prepare(state: CyclicState, batch):
+  def prepare(state: CyclicState, batch, *delays_arg):
     if jax.tree.structure(state.params) != ids_def:
       raise ValueError(
           "stage_ids do not match params: stage_ids must have the same tree structure "
@@ -294,13 +378,15 @@ def make_train_step(
           f"Batch size {size} is not divisible by the {num_workers} workers: use a global "
           f"batch of num_workers * per_worker_batch rows (worker i gets rows i*b:(i+1)*b).")
     if backend == "shard_map":
-      return _placed(state, replicated), _placed(batch, batch_sharding)
+      return (_placed(state, replicated), _placed(batch, batch_sharding),
+              *(jax.device_put(d, replicated) for d in delays_arg))
     b = size // num_workers
 
     def split(x):  # [.., N*b, ..] -> [N, .., b, ..]: the pmap axis leads.
       x = jnp.asarray(x)
       shape = x.shape[:batch_axis] + (num_workers, b) + x.shape[batch_axis + 1:]
       return jnp.moveaxis(x.reshape(shape), batch_axis, 0)
-    return state, jax.tree.map(split, batch)
+    return (state, jax.tree.map(split, batch), *delays_arg)
 
-  return TrainStep(run=run, prepare=prepare)
+  return TrainStep(run=run, prepare=prepare, rule=rule if dynamic else None,
+                   scan_steps=scan_steps)

@@ -38,11 +38,11 @@ class Simulation(NamedTuple):
 
 def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Sequence[Any],
              tx: optax.GradientTransformation, batches: Sequence[Sequence[tuple]],
-             rule) -> Simulation:
+             rule, *, speeds=None, jitter=None, max_delay: int = 1) -> Simulation:
   """Runs ``len(batches)`` training steps of ``rule``, one timeline event at a time.
 
   Events run in time order; a backward's gradient counts from its end (its
-  start slot + 1), so an update completed at a time is visible to a forward
+  start slot + its duration), so an update completed at a time is visible to a forward
   starting at that time. For ``dp`` and ``cdp-v2`` a forward reads the newest
   version of its stage produced by then, and the loop checks it is the version
   ``schedule.timeline`` predicts; other rules read ``theta_{t - d[i, j]}``. A
@@ -63,6 +63,10 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
       global-norm clipping.
     batches: per step, per worker, one ``(x, y)`` micro-batch.
     rule: a name in ``schedule.RULES`` or an ``(N, J)`` integer delay matrix.
+    speeds, jitter, max_delay: workers of unequal speed, as in
+      ``schedule.timeline`` (rule ``cdp-v2``): events then last
+      ``(1 + jitter) / speed`` slots, and a forward reads the newest version
+      this loop has produced when it starts.
 
   Returns:
     A ``Simulation``.
@@ -81,7 +85,8 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
         f"{[len(step) for step in batches]}.")
   reads_newest = isinstance(rule, str) and rule in ("dp", "cdp-v2")
   lockstep = None if schedule.is_causal(rule, num_workers, num_stages) else True
-  events = schedule.timeline(rule, num_workers, num_stages, num_steps, lockstep=lockstep)
+  events = schedule.timeline(rule, num_workers, num_stages, num_steps, lockstep=lockstep,
+                             speeds=speeds, jitter=jitter, max_delay=max_delay)
 
   versions = [[(Fraction(0), p)] for p in stage_params]  # Per stage: (ready slot, theta_v).
   opt_states = [tx.init(p) for p in stage_params]
@@ -120,7 +125,7 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
       theta = versions[j][e.step][1]
       mean = jax.tree.map(lambda g: g / num_workers, total)
       updates, opt_states[j] = tx.update(mean, opt_states[j], theta)
-      versions[j].append((e.slot + 1, optax.apply_updates(theta, updates)))
+      versions[j].append((e.end, optax.apply_updates(theta, updates)))
 
   history = [[versions[j][t][1] for j in range(num_stages)] for t in range(num_steps + 1)]
   return Simulation(history[-1], worker_losses.mean(axis=1), worker_losses, history)

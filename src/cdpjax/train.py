@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import config as config_lib
-from cdpjax import data, engine, models, stages
+from cdpjax import data, engine, models, schedule, stages
 
 
 class Runner(NamedTuple):
@@ -106,12 +106,13 @@ def _data_runner(c, model, tx, variables, sample, mesh) -> Runner:
                                       mutable=list(state))
       return cross_entropy(logits, batch["label"]), new_state
 
-  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=c.rule, mesh=mesh,
+  rule = config_lib.delay_rule(c)  # A DelayRule gives the engine each step's delays as data.
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
                                 backend=c.backend, with_model_state=model_state is not None)
   replicated = NamedSharding(mesh, P())
   return Runner(
       init=lambda: jax.device_put(
-          engine.init_state(params, tx, rule=c.rule, model_state=model_state), replicated),
+          engine.init_state(params, tx, rule=rule, model_state=model_state), replicated),
       step=step,
       variables=lambda s: {"params": s.params, **(s.model_state or {})})
 
