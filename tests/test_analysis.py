@@ -204,3 +204,29 @@ def test_zero_memory_and_traffic(params, schedule_name):
         gather.ops, scatter.ops)
     assert summary["all-gather"]["bytes"] / gather.payload_bytes == 1.0
     assert summary["reduce-scatter"]["bytes"] / scatter.payload_bytes == 1.0
+
+
+def test_async_profile_against_the_simulator_and_cdp():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from cdpjax import simulate  # pylint: disable=g-import-not-at-top
+  n, j, steps = 3, 2, 4
+  speeds = [1.0, 1.0, 0.5]
+  rng = np.random.default_rng(0)
+  params = [{"w": jnp.asarray(rng.normal(size=(2, 2)), jnp.float32)} for _ in range(j)]
+  batches = [[(rng.normal(size=(1, 2)).astype(np.float32),) * 2 for _ in range(n)]
+             for _ in range(steps)]
+  sim = simulate.simulate_async([lambda p, h: jnp.tanh(h @ p["w"])] * j,
+                                lambda out, y: jnp.mean((out - y) ** 2), params,
+                                optax.sgd(0.1), batches, speeds=speeds)
+  profile = analysis.async_profile(n, j, steps, [10.0, 30.0], speeds=speeds)
+  np.testing.assert_allclose(profile.async_staleness, sim.staleness / n)
+  assert profile.async_staleness.max() > 1  # The slow worker's gradients come late...
+  assert profile.cdp_staleness.max() <= 1   # ...where CDP's barrier bounds the delay.
+  # Async moves 2 P_j per (worker, stage, step); the ring all-reduce 2 (N-1) P_j per (stage, step).
+  assert profile.async_bytes.sum() == pytest.approx(2 * n * steps * 40.0)
+  assert profile.cdp_bytes.sum() == pytest.approx(2 * (n - 1) * steps * 40.0)
+  # Equal speeds: stage j's gradient waits 2(J-j) slots between read and update, while the
+  # other workers' updates come every 2J/N slots: ceil(N(J-j)/J) - 1 of them in steady state.
+  equal = analysis.async_profile(n, j, steps, 40.0)
+  np.testing.assert_allclose(equal.async_staleness[1:], np.broadcast_to([2 / 3, 1 / 3], (3, n, j)))

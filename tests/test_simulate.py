@@ -6,7 +6,7 @@ import optax
 import pytest
 
 from cdpjax import schedule
-from cdpjax.simulate import simulate
+from cdpjax.simulate import simulate, simulate_async
 
 WIDTH, BATCH, STEPS, LR = 3, 2, 3, 0.1
 
@@ -137,3 +137,28 @@ def test_errors():
     run(params, [], optax.sgd(LR), "dp")
   with pytest.raises(ValueError, match="Unknown rule"):
     run(params, batches, optax.sgd(LR), "cdp")
+
+
+# Asynchronous updates.
+
+
+def test_async_with_one_worker_is_plain_sgd():
+  params, batches = setup(1, 2)
+  out = simulate_async([dense] * 2, mse, params, optax.sgd(LR), batches)
+  history, losses = reference(params, batches, optax.sgd(LR), [[0, 0]])
+  assert_trees_close(out.params, history[-1])
+  np.testing.assert_allclose(out.losses, losses, rtol=1e-5)
+  assert not out.staleness.any()
+
+
+def test_async_two_workers_one_stage_by_hand():
+  """Offsets 0 and 1, one slot per event: theta_{k+1} = theta_k - lr/2 grad(theta_{k-1})."""
+  params, batches = setup(2, 1)
+  out = simulate_async([dense], mse, params, optax.sgd(LR), batches)
+  thetas = [params[0], params[0]]  # theta_{-1} := theta_0.
+  for t, step in enumerate(batches):
+    for x, y in step:  # Updates arrive worker 0, worker 1, worker 0, ...
+      grad = jax.grad(lambda p: mse(dense(p, x), y))(thetas[-2])
+      thetas.append(jax.tree.map(lambda p, g: p - LR / 2 * g, thetas[-1], grad))
+  assert_trees_close(out.params[0], thetas[-1])
+  np.testing.assert_array_equal(out.staleness[:, :, 0], [[0, 1], [1, 1], [1, 1]])

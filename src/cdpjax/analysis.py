@@ -556,3 +556,86 @@ def markdown_table(costs: Sequence[Cost], w: Workload, num_workers: int,
         f"| {'; '.join(map(comm_text, c.communication))} | {1e3 * c.comm_time_s:.3g} ms "
         f"| {ready} | {c.bubble:.3g} | {c.max_staleness} ({c.stale_fraction:.0%}) |")
   return "\n".join(lines) + "\n"
+
+
+# -- Asynchronous updates against CDP's per-stage barrier -------------------------
+
+
+class AsyncProfile(NamedTuple):
+  """Staleness and traffic of asynchronous SGD against CDP on the same timeline.
+
+  Staleness is in steps: a gradient applied ``s`` updates of its stage after
+  its forward read the stage is ``s / N`` steps stale for asynchronous SGD (a
+  stage takes ``N`` updates of ``lr / N`` per step), and ``d`` steps for CDP
+  (its delay: one update of ``lr`` per step).
+
+  Attributes:
+    async_staleness: ``(T, N, J)`` floats, in steps (``simulate_async``'s count / N).
+    cdp_staleness: ``(T, N, J)`` ints, in steps (``schedule.delays_per_step``).
+    times: ``(K,)`` floats, slots on the ``1/N`` grid.
+    async_bytes: ``(K,)`` bytes sent at each time by asynchronous SGD through a
+      per-stage parameter holder: a worker pushes its stage gradient when its
+      backward ends and pulls the stage when its forward starts (``2 P_j`` per
+      (worker, stage, step)).
+    cdp_bytes: ``(K,)`` bytes of CDP's ring all-reduce of stage ``j``,
+      ``2 (N-1) P_j`` over all links, issued when its ``N``-th gradient arrives.
+  """
+  async_staleness: np.ndarray
+  cdp_staleness: np.ndarray
+  times: np.ndarray
+  async_bytes: np.ndarray
+  cdp_bytes: np.ndarray
+
+
+def async_staleness(events, num_workers: int, num_stages: int) -> np.ndarray:
+  """Per gradient, updates of its stage applied between its read and its own update.
+
+  ``events`` gives the times (``schedule.timeline``); updates apply at their
+  backward's end in time order, a forward sees the updates ended by its start.
+  Returns ``(T, N, J)`` ints, as ``simulate.simulate_async`` counts them.
+  """
+  num_steps = max(e.step for e in events) + 1
+  out = np.zeros((num_steps, num_workers, num_stages), dtype=np.int64)
+  for j in range(num_stages):
+    mine = [(k, e) for k, e in enumerate(events) if e.stage == j]
+    ends = sorted((e.end, k) for k, e in mine if e.kind == "bwd")  # Ties: event order.
+    rank = {k: r for r, (_, k) in enumerate(ends)}
+    end_times = [end for end, _ in ends]
+    reads = {(e.worker, e.step): int(np.searchsorted(end_times, e.slot, side="right"))
+             for _, e in mine if e.kind == "fwd"}
+    for k, e in mine:
+      if e.kind == "bwd":
+        out[e.step, e.worker, j] = rank[k] - reads[(e.worker, e.step)]
+  return out
+
+
+def async_profile(num_workers: int, num_stages: int, num_steps: int, stage_param_bytes,
+                  *, speeds=None, jitter=None, max_delay: int = 1) -> AsyncProfile:
+  """``AsyncProfile`` of ``num_steps`` steps; CDP keeps staleness ``<= max_delay``.
+
+  Both run on ``schedule.timeline``: asynchronous SGD never waits, CDP's
+  forwards wait for ``theta_{t-D}``, so with unequal ``speeds`` their times
+  differ. Traffic is binned on the ``1/N`` slot grid (times rounded down).
+  """
+  speeds = [1] * num_workers if speeds is None else speeds
+  stage_param_bytes = _per_stage(stage_param_bytes, num_stages, "stage_param_bytes")
+  async_events = schedule.timeline("cdp-v2", num_workers, num_stages, num_steps, speeds=speeds,
+                                   jitter=jitter, max_delay=num_steps)
+  cdp_events = schedule.timeline("cdp-v2", num_workers, num_stages, num_steps, speeds=speeds,
+                                 jitter=jitter, max_delay=max_delay)
+  horizon = max(e.end for e in async_events + cdp_events)
+  ticks = int(horizon * num_workers) + 1
+  async_bytes, cdp_bytes = np.zeros(ticks), np.zeros(ticks)
+  for e in async_events:  # A pull before each forward, a push after each backward.
+    when = e.slot if e.kind == "fwd" else e.end
+    async_bytes[int(when * num_workers)] += stage_param_bytes[e.stage]
+  last = {}
+  for e in cdp_events:
+    if e.kind == "bwd":
+      last[(e.step, e.stage)] = max(last.get((e.step, e.stage), e.end), e.end)
+  for (_, j), when in last.items():
+    cdp_bytes[int(when * num_workers)] += 2 * (num_workers - 1) * stage_param_bytes[j]
+  return AsyncProfile(
+      async_staleness(async_events, num_workers, num_stages) / num_workers,
+      schedule.delays_per_step(cdp_events, num_workers, num_stages),
+      np.arange(ticks) / num_workers, async_bytes, cdp_bytes)

@@ -129,3 +129,86 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
 
   history = [[versions[j][t][1] for j in range(num_stages)] for t in range(num_steps + 1)]
   return Simulation(history[-1], worker_losses.mean(axis=1), worker_losses, history)
+
+
+class AsyncSimulation(NamedTuple):
+  """What ``simulate_async`` returns.
+
+  Attributes:
+    params: the final parameters, a list of ``J`` stage pytrees.
+    losses: ``(T,)`` array, per step the mean over workers of the micro-batch
+      losses.
+    staleness: ``(T, N, J)`` int array: how many updates of stage ``j`` were
+      applied between worker ``i``'s forward of step ``t`` (its read) and the
+      application of its gradient. Divide by ``N`` for steps.
+    update_times: ``(T, N, J)`` float array: when each gradient was applied.
+  """
+  params: list
+  losses: np.ndarray
+  staleness: np.ndarray
+  update_times: np.ndarray
+
+
+def simulate_async(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Sequence[Any],
+                   tx: optax.GradientTransformation, batches: Sequence[Sequence[tuple]], *,
+                   speeds=None, jitter=None) -> AsyncSimulation:
+  """Asynchronous SGD on the cyclic timeline: no per-stage barrier.
+
+  Each stage applies each worker's gradient alone, divided by ``N`` (for SGD,
+  a step of ``lr / N``), the moment its backward ends; a forward reads the
+  stage as it is when the forward starts. Workers run their micro-batches back
+  to back from the cyclic offsets, at ``speeds`` with ``jitter`` as in
+  ``schedule.timeline``, and never wait. With ``N = 1`` it is plain SGD.
+
+  The engine cannot express this rule: it applies one update per stage per
+  step, the mean of ``N`` gradients, to versions indexed by step, while here a
+  stage changes ``N`` times per step and a forward may read any of those
+  intermediate versions.
+  """
+  num_stages, num_steps = len(stage_fns), len(batches)
+  num_workers = len(batches[0])
+  if len(stage_params) != num_stages:
+    raise ValueError(f"Got {len(stage_params)} stage_params for {num_stages} stage_fns.")
+  # Event times of the cyclic timeline; a bound of num_steps never makes a worker wait.
+  events = schedule.timeline("cdp-v2", num_workers, num_stages, num_steps,
+                             speeds=[1] * num_workers if speeds is None else speeds,
+                             jitter=jitter, max_delay=num_steps)
+  params, opt_states = list(stage_params), [tx.init(p) for p in stage_params]
+  applied = [0] * num_stages  # Updates applied so far, per stage.
+  pending = []  # (end time, stage, worker, step, gradient, read count), applied at end time.
+  vjps, carry, reads = {}, {}, {}
+  worker_losses = np.zeros((num_steps, num_workers))
+  staleness = np.zeros((num_steps, num_workers, num_stages), dtype=np.int64)
+  update_times = np.zeros((num_steps, num_workers, num_stages))
+
+  def apply_until(time):
+    pending.sort(key=lambda u: u[0])
+    while pending and pending[0][0] <= time:
+      end, j, i, t, grad, read = pending.pop(0)
+      updates, opt_states[j] = tx.update(
+          jax.tree.map(lambda g: g / num_workers, grad), opt_states[j], params[j])
+      params[j] = optax.apply_updates(params[j], updates)
+      staleness[t, i, j] = applied[j] - read
+      update_times[t, i, j] = float(end)
+      applied[j] += 1
+
+  for e in events:
+    apply_until(e.slot)
+    j, key = e.stage, (e.worker, e.step)
+    if e.kind == "fwd":
+      x, y = batches[e.step][e.worker]
+      h = x if j == 0 else carry.pop(key)
+      reads[key + (j,)] = applied[j]
+      out, vjps[key + (j,)] = jax.vjp(stage_fns[j], params[j], h)
+      if j == num_stages - 1:
+        loss, carry[key] = jax.value_and_grad(loss_fn)(out, y)
+        worker_losses[e.step, e.worker] = loss
+      else:
+        carry[key] = out
+    else:
+      grad, cotangent = vjps.pop(key + (j,))(carry.pop(key))
+      if j > 0:
+        carry[key] = cotangent
+      pending.append((e.end, j, e.worker, e.step, grad, reads.pop(key + (j,))))
+  apply_until(Fraction(10**18))
+  return AsyncSimulation(params, worker_losses.mean(axis=1), staleness, update_times)

@@ -1,0 +1,157 @@
+"""When delayed gradient descent on a quadratic is stable: closed form and numerics.
+
+Pure numpy. On ``f(theta) = 1/N sum_i 1/2 theta^T H_i theta - b_i^T theta``
+(worker ``i``'s micro-batch has Hessian ``H_i``), plain SGD with the delays
+``d_t[i, j]`` of a rule is the linear recursion
+
+    theta_{t+1} = theta_t - lr * sum_k A_k(t) theta_{t-k} + const,
+    A_k(t) = 1/N sum_i H_i P_{i,k}(t),
+
+where ``P_{i,k}(t)`` keeps the coordinates of the stages ``j`` with
+``d_t[i, j] = k``. With fixed delays it is stable iff the companion matrix of
+the recursion has spectral radius ``< 1``; ``stability_limit`` bisects on
+``lr * L`` (``L`` the largest eigenvalue of ``H = mean_i H_i``).
+
+Closed form for one delay ``tau`` on every coordinate: per eigenvalue
+``lambda`` of ``H`` the recursion is ``x_{t+1} = x_t - a x_{t-tau}`` with
+``a = lr * lambda``, asymptotically stable iff ``0 < a < 2 cos(tau pi / (2 tau + 1))``
+(Levin & May, "A note on difference-delay equations", Theoretical Population
+Biology 9, 1976; also Kuruklis, J. Math. Anal. Appl. 188, 1994). So
+``lr * L < 2`` without delay, ``< 1`` for ``tau = 1`` (``cdp-v1``), ``< 0.618``
+for ``tau = 2``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+def fixed_delay_limit(tau: int) -> float:
+  """The largest stable ``lr * L`` of GD with every gradient ``tau`` steps old (Levin & May)."""
+  if int(tau) != tau or tau < 0:
+    raise ValueError(f"tau must be an integer >= 0, got {tau!r}.")
+  return 2 * math.cos(tau * math.pi / (2 * tau + 1))
+
+
+def delay_operators(hessians, stage_of_coord, delays) -> np.ndarray:
+  """``A_k = 1/N sum_i H_i P_{i,k}`` for ``k = 0..D``, shape ``(D + 1, p, p)``.
+
+  Args:
+    hessians: ``(N, p, p)``, worker ``i``'s Hessian ``H_i``.
+    stage_of_coord: ``(p,)`` ints, the stage of each coordinate of ``theta``.
+    delays: ``(N, J)`` delay matrix.
+  """
+  hessians = np.asarray(hessians, np.float64)
+  stage_of_coord = np.asarray(stage_of_coord)
+  delays = np.asarray(delays)
+  num_workers, p, _ = hessians.shape
+  if delays.shape[0] != num_workers or stage_of_coord.shape != (p,):
+    raise ValueError(
+        f"hessians {hessians.shape}, stage_of_coord {stage_of_coord.shape} and delays "
+        f"{delays.shape} disagree: need (N, p, p), (p,) and (N, J).")
+  ops = np.zeros((int(delays.max(initial=0)) + 1, p, p))
+  for i in range(num_workers):
+    delay_of_coord = delays[i][stage_of_coord]
+    for k in range(ops.shape[0]):
+      ops[k] += hessians[i] * (delay_of_coord == k)[None, :] / num_workers
+  return ops
+
+
+def companion(ops, lr: float) -> np.ndarray:
+  """The ``(D+1) p`` square matrix mapping ``(theta_t, ..., theta_{t-D})`` one step on."""
+  num, p, _ = ops.shape
+  c = np.zeros((num * p, num * p))
+  c[:p, :p] = np.eye(p)
+  for k in range(num):
+    c[:p, k * p:(k + 1) * p] -= lr * ops[k]
+  for k in range(1, num):
+    c[k * p:(k + 1) * p, (k - 1) * p:k * p] = np.eye(p)
+  return c
+
+
+def spectral_radius(matrix) -> float:
+  return float(np.max(np.abs(np.linalg.eigvals(matrix))))
+
+
+def _bisect(unstable: Callable[[float], bool], hi: float, tol: float) -> float:
+  """The smallest ``x`` in ``(0, hi]`` with ``unstable(x)``, to ``tol``; stability below it assumed."""
+  lo = 0.0
+  while not unstable(hi):
+    lo, hi = hi, 2 * hi
+  while hi - lo > tol:
+    mid = 0.5 * (lo + hi)
+    lo, hi = (lo, mid) if unstable(mid) else (mid, hi)
+  return 0.5 * (lo + hi)
+
+
+def lipschitz(hessians) -> float:
+  """``L``, the largest eigenvalue of ``H = mean_i H_i``."""
+  return float(np.linalg.eigvalsh(np.mean(np.asarray(hessians, np.float64), axis=0)).max())
+
+
+def stability_limit(hessians, stage_of_coord, delays, *, tol: float = 1e-4) -> float:
+  """The largest stable ``lr * L`` for a fixed delay matrix (companion-matrix spectral radius).
+
+  The stable set of ``lr`` is taken to be an interval ``(0, limit)``, as it is
+  for one delay; the bisection finds its end.
+  """
+  ops = delay_operators(hessians, stage_of_coord, delays)
+  big_l = lipschitz(hessians)
+  return _bisect(lambda x: spectral_radius(companion(ops, x / big_l)) >= 1.0, 2.0, tol)
+
+
+def mean_delay_limit(probs: Sequence[float], *, tol: float = 1e-4) -> float:
+  """The largest ``lr * L`` for which the *expected* iterate of a random rule converges.
+
+  With each entry of the delay matrix i.i.d. with law ``probs`` on ``0..D`` and
+  independent of the iterates, ``E theta`` follows
+  ``x_{t+1} = x_t - a sum_k probs[k] x_{t-k}`` per eigenvalue; stable iff
+  every root of ``z^{D+1} - z^D + a sum_k probs[k] z^{D-k}`` lies in the unit
+  disc. A necessary condition for the random iteration, not a sufficient one
+  (the second moment can grow first): compare ``random_rule_limit``.
+  """
+  probs = np.asarray(probs, np.float64)
+
+  def unstable(a):
+    poly = np.zeros(probs.size + 1)
+    poly[0], poly[1] = 1.0, -1.0
+    poly[1:] += a * probs
+    return float(np.max(np.abs(np.roots(poly)))) >= 1.0
+
+  return _bisect(unstable, 2.0, tol)
+
+
+def growth_rate(hessians, stage_of_coord, delays_TxNxJ, lr: float, seed: int = 0) -> float:
+  """Mean log growth per step of ``theta_t - theta*`` under per-step delays (Lyapunov exponent).
+
+  Runs the homogeneous recursion in float64 from a random start, renormalising
+  every step; ``> 0`` means the iterates blow up.
+  """
+  delays_TxNxJ = np.asarray(delays_TxNxJ)
+  num_versions = int(delays_TxNxJ.max(initial=0)) + 1
+  p = np.asarray(hessians).shape[1]
+  start = np.random.default_rng(seed).normal(size=p)
+  history = [start / np.linalg.norm(start)] * num_versions  # Newest first.
+  total = 0.0
+  for delays in delays_TxNxJ:
+    ops = delay_operators(hessians, stage_of_coord, delays)
+    step = history[0] - lr * sum(ops[k] @ history[k] for k in range(ops.shape[0]))
+    history = [step] + history[:num_versions - 1]
+    scale = max(np.linalg.norm(h) for h in history)
+    total += math.log(scale)
+    history = [h / scale for h in history]
+  return total / len(delays_TxNxJ)
+
+
+def random_rule_limit(hessians, stage_of_coord, rule, *, num_steps: int = 400,
+                      tol: float = 0.01) -> float:
+  """The largest stable ``lr * L`` of a per-step rule, by simulating its recursion.
+
+  Bisects on the sign of ``growth_rate`` over ``rule``'s first ``num_steps``
+  matrices (a ``schedule.DelayRule`` or anything with ``window(start, count)``).
+  """
+  delays = rule.window(0, num_steps)
+  big_l = lipschitz(hessians)
+  return _bisect(lambda x: growth_rate(hessians, stage_of_coord, delays, x / big_l) > 0, 2.0, tol)

@@ -1,0 +1,91 @@
+"""Stability of delayed gradient descent: closed form, companion matrix, engine runs."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from cdpjax import engine, schedule, stability
+
+N, J, FEATURES, ROWS = 4, 2, 6, 12
+STEPS = 300
+
+
+def problem(seed=0):
+  """Least squares with each worker's own rows: H_i = X_i^T X_i / m_i."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(N * ROWS, FEATURES)) * np.linspace(0.3, 1.5, FEATURES)
+  y = rng.normal(size=(N * ROWS, 1))
+  hessians = np.stack([xi.T @ xi / ROWS for xi in np.split(x, N)])
+  stage_of_coord = np.repeat(np.arange(J), FEATURES // J)
+  return x.astype(np.float32), y.astype(np.float32), hessians, stage_of_coord
+
+
+def test_levin_may_closed_form():
+  assert stability.fixed_delay_limit(0) == pytest.approx(2.0)
+  assert stability.fixed_delay_limit(1) == pytest.approx(1.0)
+  assert stability.fixed_delay_limit(2) == pytest.approx((np.sqrt(5) - 1) / 2)
+  with pytest.raises(ValueError, match="tau must be an integer >= 0"):
+    stability.fixed_delay_limit(-1)
+
+
+@pytest.mark.parametrize("tau", [0, 1, 2, 3])
+def test_companion_matrix_agrees_with_the_closed_form(tau):
+  _, _, hessians, stage_of_coord = problem()
+  limit = stability.stability_limit(hessians, stage_of_coord, np.full((N, J), tau), tol=1e-5)
+  assert limit == pytest.approx(stability.fixed_delay_limit(tau), abs=1e-4)
+  # The expected-iterate limit of a rule that is always tau late is the same number.
+  probs = np.eye(tau + 1)[tau]
+  assert stability.mean_delay_limit(probs, tol=1e-5) == pytest.approx(
+      stability.fixed_delay_limit(tau), abs=1e-4)
+
+
+def test_random_rule_limit_by_simulation_brackets_a_fixed_rule():
+  _, _, hessians, stage_of_coord = problem()
+  always_one = schedule.function_rule(lambda t, n, j: np.ones((n, j), np.int32), N, J, 1)
+  assert stability.random_rule_limit(hessians, stage_of_coord, always_one, num_steps=200) == (
+      pytest.approx(1.0, abs=0.02))
+
+
+@pytest.fixture(scope="module")
+def engine_runs():
+  """``run(rule, lr_times_L) -> losses`` of full-batch SGD on the problem, one compile per rule."""
+  x, y, hessians, stage_of_coord = problem()
+  big_l = stability.lipschitz(hessians)
+  mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
+  half = FEATURES // J
+  sgd = optax.inject_hyperparams(optax.sgd)
+
+  def loss_fn(params, b):
+    pred = b["x"][:, :half] @ params[0] + b["x"][:, half:] @ params[1]
+    return 0.5 * jnp.mean(jnp.sum(jnp.square(pred - b["y"]), axis=1))
+
+  batch = {"x": np.stack([x] * STEPS), "y": np.stack([y] * STEPS)}
+  init = [np.zeros((half, 1), np.float32)] * J
+  steps = {}
+
+  def run(rule, lr_times_l):
+    if rule not in steps:
+      steps[rule] = engine.make_train_step(loss_fn, sgd(learning_rate=0.0), stage_ids=[0, 1],
+                                           rule=rule, mesh=mesh, scan_steps=STEPS)
+    state = engine.init_state(init, sgd(learning_rate=lr_times_l / big_l), rule=rule)
+    _, metrics = steps[rule](state, batch)
+    return np.asarray(metrics["loss"], np.float64)
+
+  return run, hessians, stage_of_coord
+
+
+def diverges(losses):
+  """The loss grows over the run's second half (late peaks above the earlier ones)."""
+  quarter = len(losses) // 4
+  return not np.all(np.isfinite(losses)) or losses[3 * quarter:].max() > losses[quarter:2 * quarter].max()
+
+
+@pytest.mark.parametrize("rule", ["dp", "cdp-v1", "cdp-v2"])
+def test_engine_diverges_where_theory_says(engine_runs, rule):
+  run, hessians, stage_of_coord = engine_runs
+  limit = stability.stability_limit(hessians, stage_of_coord, schedule.delay_matrix(rule, N, J))
+  if rule == "cdp-v1":
+    assert limit == pytest.approx(1.0, abs=1e-3)  # lr * L < 1 with one step of delay.
+  assert not diverges(run(rule, 0.9 * limit))
+  assert diverges(run(rule, 1.1 * limit))
