@@ -126,44 +126,103 @@ def _reduce_by_stage(grads, stage_of_leaf, num_stages, extras, axis_name, num_wo
           jnp.stack(sq_norms))
 
 
-def _worker_view(versions, stage_of_leaf, delays, axis_name):
-  """This worker's parameters: leaf of stage ``j`` taken from version ``d[i, j]``.
+def _is_none(x) -> bool:
+  return x is None
 
-  The result is marked varying over ``axis_name``, so its gradient is this
-  worker's own (a replicated input's gradient would come back already summed).
+
+def stale_depths(delays, stage_of_leaf, num_stale: int) -> list[int]:
+  """Per parameter leaf, how many stale versions some worker reads: ``max_i d[i, stage]``.
+
+  A leaf whose stage every worker reads fresh keeps no stale copy. With delays
+  that are data (``delays is None``) every leaf keeps all ``num_stale``.
+  """
+  if delays is None:
+    return [num_stale] * len(stage_of_leaf)
+  deepest = np.max(delays, axis=0, initial=0)
+  return [int(deepest[stage]) for stage in stage_of_leaf]
+
+
+def _version_leaves(state) -> list[list]:
+  """``[theta_t, theta_{t-1}, ...]`` as leaf lists in ``params`` order; ``None`` where not kept."""
+  return [jax.tree.leaves(tree, is_leaf=_is_none)
+          for tree in (state.params,) + tuple(state.stale_params)]
+
+
+def _worker_view(ages, stage_of_leaf, delays, axis_name):
+  """This worker's parameter leaves: the leaf of stage ``j`` taken from age ``d[i, j]``.
+
+  ``ages[a]`` holds the leaves of ``theta_{t-a}``. The result is marked varying
+  over ``axis_name``, so its gradient is this worker's own (a replicated
+  input's gradient would come back already summed).
   """
   row = jnp.asarray(delays)[jax.lax.axis_index(axis_name)]
-  leaves = [jax.tree.leaves(v) for v in versions]
-  treedef = jax.tree.structure(versions[0])
   view = []
   for k, stage in enumerate(stage_of_leaf):
     column = sorted(set(delays[:, stage].tolist()))
-    if len(column) == 1:  # Every worker reads the same version: no select needed.
-      leaf = leaves[column[0]][k]
-      view.append(jax.lax.pcast(leaf, axis_name, to="varying"))
-      continue
-    leaf = jax.lax.pcast(leaves[column[0]][k], axis_name, to="varying")
-    for version in column[1:]:
-      leaf = jnp.where(row[stage] == version, leaves[version][k], leaf)
+    leaf = jax.lax.pcast(ages[column[0]][k], axis_name, to="varying")
+    for age in column[1:]:  # No select where every worker reads the same version.
+      leaf = jnp.where(row[stage] == age, ages[age][k], leaf)
     view.append(leaf)
-  return jax.tree.unflatten(treedef, view)
+  return view
 
 
-def _dynamic_worker_view(versions, stage_of_leaf, delays_NxJ, axis_name):
+def _dynamic_worker_view(ages, stage_of_leaf, delays_NxJ, axis_name):
   """``_worker_view`` for a delay matrix that is data: ``D`` selects per leaf.
 
   ``delays_NxJ`` is a traced int32 array, so the step serves every matrix with
   entries in ``0..D`` without recompiling.
   """
   row = delays_NxJ[jax.lax.axis_index(axis_name)]
-  leaves = [jax.tree.leaves(v) for v in versions]
   view = []
   for k, stage in enumerate(stage_of_leaf):
-    leaf = jax.lax.pcast(leaves[0][k], axis_name, to="varying")
-    for version in range(1, len(versions)):
-      leaf = jnp.where(row[stage] == version, leaves[version][k], leaf)
+    leaf = jax.lax.pcast(ages[0][k], axis_name, to="varying")
+    for age in range(1, len(ages)):
+      leaf = jnp.where(row[stage] == age, ages[age][k], leaf)
     view.append(leaf)
-  return jax.tree.unflatten(jax.tree.structure(versions[0]), view)
+  return view
+
+
+class _Slots(NamedTuple):
+  """Where each parameter version lives while steps run: rotating buffers, no copies.
+
+  Leaf ``l`` with ``m = depths[l]`` stale versions has ``m + 1`` buffers,
+  slots ``0..m`` (``CyclicState.params`` is slot 0, ``stale_params[s - 1]``
+  slot ``s``). After ``phase`` steps from the state's order, age ``a``
+  (``theta_{t-a}``) is in slot ``(a - phase) % (m + 1)``, and a step writes
+  ``theta_{t+1}`` into the slot of the oldest version, which no one reads
+  again. Donation pairs each output with the input in the same position, so
+  every buffer is updated in place: returning ``(theta_{t+1}, theta_t, ...)``
+  in the state's order would make XLA copy each version into its neighbour's
+  buffer, about ``D + 1`` parameter copies per step.
+  """
+  depths: tuple[int, ...]
+  rotate: bool
+
+  def slot(self, leaf: int, age: int, phase: int) -> int:
+    m = self.depths[leaf]
+    return (age - phase) % (m + 1) if self.rotate else age
+
+  def ages(self, slots: list[list], phase: int) -> list[list]:
+    """``ages[a][l]``: the leaf of ``theta_{t-a}`` (``None`` beyond its depth)."""
+    return [[slots[self.slot(l, a, phase)][l] if a <= m else None
+             for l, m in enumerate(self.depths)] for a in range(len(slots))]
+
+  def advance(self, slots: list[list], new_leaves: list, phase: int) -> list[list]:
+    """The slots after a step at ``phase`` that produced ``theta_{t+1}`` = ``new_leaves``."""
+    out = [list(s) for s in slots]
+    for l, m in enumerate(self.depths):
+      if self.rotate:
+        out[self.slot(l, m, phase)][l] = new_leaves[l]
+      else:  # Every version moves to the next slot (XLA copies them).
+        for a in range(m, 0, -1):
+          out[a][l] = slots[a - 1][l]
+        out[0][l] = new_leaves[l]
+    return out
+
+
+def _with_versions(state, version_leaves: list[list], treedef) -> "CyclicState":
+  trees = [jax.tree.unflatten(treedef, leaves) for leaves in version_leaves]
+  return state._replace(params=trees[0], stale_params=tuple(trees[1:]))
 
 
 def _placed(tree, sharding):
@@ -180,8 +239,10 @@ def _placed(tree, sharding):
 class TrainStep:
   """A compiled train step: ``state, metrics = step(state, batch)``.
 
-  ``lower(state, batch)`` gives the lowered program (for StableHLO, memory and
-  cost inspection) after the same input checks and placement.
+  ``init(params, model_state=None)`` builds the state at ``t = 0`` with only
+  the stale versions this rule reads; ``lower(state, batch)`` gives the lowered
+  program (for StableHLO, memory and cost inspection) after the same input
+  checks and placement.
 
   With a ``schedule.DelayRule``, ``step(state, batch, delays)`` takes the step's
   ``(N, J)`` matrix (``(K, N, J)`` with ``scan_steps=K``) as data. Without
@@ -191,6 +252,8 @@ class TrainStep:
   """
   run: Callable
   prepare: Callable
+  finish: Callable
+  init: Callable
   rule: Any = None
   scan_steps: int | None = None
   _host_step: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -219,13 +282,14 @@ class TrainStep:
     if self.rule is None:
       if delays is not None:
         raise ValueError("This step's delays are fixed; pass delays only with a schedule.DelayRule.")
-      return self.run(*self.prepare(state, batch))
+      return self.finish(*self.run(*self.prepare(state, batch)))
     count = self.scan_steps or 1
     step = None
     if delays is None:
       step = self._step_of(state)
       delays = self.rule.window(step, count) if self.scan_steps else self.rule(step)
-    new_state, metrics = self.run(*self.prepare(state, batch, self._check_delays(delays)))
+    new_state, metrics = self.finish(*self.run(*self.prepare(state, batch,
+                                                             self._check_delays(delays))))
     if step is not None:  # Spares the next call a device-to-host read of the step.
       self._host_step.update(array=new_state.step, step=step + count)
     return new_state, metrics
@@ -237,6 +301,128 @@ class TrainStep:
       count = self.scan_steps or 1
       delays = self.rule.window(0, count) if self.scan_steps else self.rule(0)
     return self.run.lower(*self.prepare(state, batch, self._check_delays(delays)))
+
+
+class _Rule(NamedTuple):
+  """A rule resolved for one mesh and ``stage_ids``: what the step is built from."""
+  dynamic: bool
+  delays: np.ndarray | None  # (N, J); None when the delays are data.
+  num_workers: int
+  num_stages: int
+  num_stale: int
+  stage_of_leaf: list[int]
+  slots: _Slots
+
+
+def _resolve_rule(rule, stage_ids, num_workers: int, rotate: bool) -> _Rule:
+  dynamic = isinstance(rule, schedule.DelayRule)
+  if dynamic:
+    if rule.num_workers != num_workers:
+      raise ValueError(
+          f"The delay rule is for {rule.num_workers} workers but the mesh has {num_workers}: "
+          f"build the rule with num_workers={num_workers}.")
+    num_stages = rule.num_stages
+  elif isinstance(rule, str):
+    num_stages = num_stages_of(stage_ids) if jax.tree.leaves(stage_ids) else 1
+  else:
+    num_stages = int(np.shape(rule)[1]) if np.ndim(rule) == 2 else 0
+  delays = None if dynamic else schedule.resolve(rule, num_workers, num_stages)
+  stage_of_leaf = _check_stage_ids(stage_ids, num_stages)
+  num_stale = schedule.max_delay(rule)
+  if not dynamic and delays.max(initial=0) > num_stale:
+    raise ValueError(f"Delay matrix needs {delays.max()} stale versions; the state keeps {num_stale}.")
+  depths = tuple(stale_depths(delays, stage_of_leaf, num_stale))
+  return _Rule(dynamic, delays, num_workers, num_stages, num_stale, stage_of_leaf,
+               _Slots(depths, rotate))
+
+
+def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool):
+  """``one_step(state_in_slots, phase, batch, delays_NxJ) -> (state_in_slots, metrics)``."""
+  slots_of = r.slots
+
+  def one_step(state: CyclicState, phase: int, batch, delays_NxJ=None):
+    treedef = jax.tree.structure(state.params, is_leaf=_is_none)
+    ages = slots_of.ages(_version_leaves(state), phase)
+    if r.dynamic:
+      view = _dynamic_worker_view(ages, r.stage_of_leaf, delays_NxJ, axis_name)
+    else:
+      view = _worker_view(ages, r.stage_of_leaf, r.delays, axis_name)
+    view = jax.tree.unflatten(treedef, view)
+    if with_model_state:
+      (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          view, state.model_state, batch)
+    else:
+      loss, grads = jax.value_and_grad(loss_fn)(view, batch)
+      model_state = state.model_state
+    grads, (loss, model_state), sq_norms = _reduce_by_stage(
+        grads, r.stage_of_leaf, r.num_stages, (loss, model_state), axis_name, r.num_workers)
+    current = jax.tree.unflatten(treedef, ages[0])
+    updates, opt_state = tx.update(grads, state.opt_state, current)
+    params = optax.apply_updates(current, updates)
+    metrics = {
+        "loss": loss,
+        "grad_norm": jnp.sqrt(jnp.sum(sq_norms)),
+        "grad_norm_per_stage": jnp.sqrt(sq_norms),
+        "param_norm": optax.tree.norm(params),
+    }
+    if r.dynamic:
+      metrics["mean_delay"] = jnp.mean(delays_NxJ.astype(jnp.float32))
+    slots = slots_of.advance(_version_leaves(state), jax.tree.leaves(params), phase)
+    state = _with_versions(state, slots, treedef)._replace(
+        step=state.step + 1, opt_state=opt_state, model_state=model_state)
+    return state, metrics
+
+  return one_step
+
+
+def _body_fn(one_step, scan_steps: int | None):
+  """The program: one step, or ``K`` steps in a ``lax.scan``."""
+  if scan_steps is None:
+    return lambda state, batch, *delays: one_step(state, 0, batch, *delays)
+
+  def body(state, batches, *delays):
+    return jax.lax.scan(lambda s, xs: one_step(s, 0, *xs), state, (batches,) + delays)
+
+  return body
+
+
+def _init_fn(tx, r: _Rule):
+  """``init(params, model_state=None)``: the state at ``t = 0`` with only the versions read."""
+
+  def init(params, model_state=None) -> CyclicState:
+    # Real copies: the step donates the state, which must neither delete the
+    # caller's arrays nor hold one buffer twice.
+    leaves, treedef = jax.tree.flatten(params)
+    versions = [[jnp.array(x) if a <= m else None for x, m in zip(leaves, r.slots.depths)]
+                for a in range(r.num_stale + 1)]
+    current = jax.tree.unflatten(treedef, versions[0])
+    return CyclicState(step=jnp.zeros((), jnp.int32), params=current,
+                       stale_params=tuple(jax.tree.unflatten(treedef, v) for v in versions[1:]),
+                       opt_state=tx.init(current), model_state=model_state)
+
+  return init
+
+
+def _kept_versions(state: CyclicState, r: _Rule) -> CyclicState:
+  """``state`` keeping the stale leaves this rule reads (it may hold more: ``init_state``'s).
+
+  ValueError naming the fix for a state built for a rule that reads fewer versions.
+  """
+  if len(state.stale_params) != r.num_stale:
+    raise ValueError(
+        f"The state keeps {len(state.stale_params)} stale parameter versions but this rule "
+        f"reads {r.num_stale}: build the state for this rule, with step.init(params) or "
+        "engine.init_state(params, tx, rule=...), or resume from a checkpoint of the same rule.")
+  versions = _version_leaves(state)
+  needed = [[x if a <= m else None for x, m in zip(leaves, r.slots.depths)]
+            for a, leaves in enumerate(versions)]
+  if any(x is None for a, leaves in enumerate(needed) for x, m in zip(leaves, r.slots.depths)
+         if a <= m):
+    raise ValueError(
+        "The state lacks stale parameters this rule reads (it was built for a rule where fewer "
+        "stages are stale): build it with step.init(params) or engine.init_state(params, tx, "
+        "rule=...) for this rule.")
+  return _with_versions(state, needed, jax.tree.structure(state.params, is_leaf=_is_none))
 
 
 def make_train_step(
@@ -254,7 +440,8 @@ def make_train_step(
     tx: any optax ``GradientTransformation``.
     stage_ids: the structure of ``params`` with an int stage on every leaf.
     rule: a name of ``schedule.RULES`` or an ``(N, J)`` delay matrix (static:
-      a stage every worker reads at the same version needs no select), or a
+      a stage every worker reads at the same version needs no select, and a
+      stage no worker reads stale keeps no stale copy), or a
       ``schedule.DelayRule`` whose per-step matrix is an input of the compiled
       step (``D`` selects per leaf; any matrix in ``0..D``, no recompiling).
     mesh: a mesh with axis ``axis_name`` of size ``N`` (the workers).
@@ -269,8 +456,10 @@ def make_train_step(
   Returns:
     A ``TrainStep``; ``step(state, batch) -> (state, metrics)`` with metrics
     ``loss`` (mean over workers), ``grad_norm``, ``grad_norm_per_stage`` [J]
-    and ``param_norm`` (of the parameters the step read, ``theta_t``); with a
+    and ``param_norm`` (of the updated parameters, ``theta_{t+1}``); with a
     ``DelayRule``, also ``mean_delay`` (the matrix itself is ``rule(step)``).
+    The state it returns keeps only the stale leaves the rule reads
+    (``None`` in ``stale_params`` elsewhere).
   """
   if backend not in BACKENDS:
     raise ValueError(f"Unknown backend {backend!r}: use one of {BACKENDS}.")
@@ -280,86 +469,57 @@ def make_train_step(
         f"with jax.make_mesh((num_workers,), ({axis_name!r},)) or pass axis_name=.")
   if scan_steps is not None and (int(scan_steps) != scan_steps or scan_steps < 1):
     raise ValueError(f"scan_steps must be a positive int or None, got {scan_steps!r}.")
-  num_workers = int(mesh.shape[axis_name])
-  dynamic = isinstance(rule, schedule.DelayRule)
-  if dynamic:
-    if rule.num_workers != num_workers:
-      raise ValueError(
-          f"The delay rule is for {rule.num_workers} workers but the mesh axis {axis_name!r} "
-          f"has {num_workers}: build the rule with num_workers={num_workers}.")
-    num_stages = rule.num_stages
-  elif isinstance(rule, str):
-    num_stages = num_stages_of(stage_ids) if jax.tree.leaves(stage_ids) else 1
-  else:
-    num_stages = int(np.shape(rule)[1]) if np.ndim(rule) == 2 else 0
-  delays = None if dynamic else schedule.resolve(rule, num_workers, num_stages)
-  stage_of_leaf = _check_stage_ids(stage_ids, num_stages)
-  num_stale = schedule.max_delay(rule)
-  if not dynamic and delays.max(initial=0) > num_stale:
-    raise ValueError(f"Delay matrix needs {delays.max()} stale versions; the state keeps {num_stale}.")
-  ids_def = jax.tree.structure(stage_ids)
+  # Inside a scan the slots must end where they began, so the versions shift
+  # (XLA copies them); a group of D + 1 unrolled steps would rotate back but
+  # raised the CPU peak by a parameter copy (measured), more than the copies.
+  r = _resolve_rule(rule, stage_ids, int(mesh.shape[axis_name]), rotate=scan_steps is None)
+  body = _body_fn(_one_step_fn(loss_fn, tx, r, axis_name, with_model_state), scan_steps)
+  run, replicated, batch_sharding = _compile(body, r, mesh, axis_name, backend, scan_steps,
+                                             donate)
+  prepare = _prepare_fn(r, jax.tree.structure(stage_ids), scan_steps, backend, replicated,
+                        batch_sharding)
+  count = scan_steps or 1
 
-  def one_step(state: CyclicState, batch, delays_NxJ=None):
-    if dynamic:
-      view = _dynamic_worker_view(state.versions, stage_of_leaf, delays_NxJ, axis_name)
-    else:
-      view = _worker_view(state.versions, stage_of_leaf, delays, axis_name)
-    if with_model_state:
-      (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          view, state.model_state, batch)
-    else:
-      loss, grads = jax.value_and_grad(loss_fn)(view, batch)
-      model_state = state.model_state
-    grads, (loss, model_state), sq_norms = _reduce_by_stage(
-        grads, stage_of_leaf, num_stages, (loss, model_state), axis_name, num_workers)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    # theta_t becomes the newest stale version. Donation aliases each output to
-    # the input in the same position, so XLA copies theta_t into the stale
-    # slot's buffer: one transient parameter copy per step on top of the state.
-    stale = state.versions[:num_stale]
-    metrics = {
-        "loss": loss,
-        "grad_norm": jnp.sqrt(jnp.sum(sq_norms)),
-        "grad_norm_per_stage": jnp.sqrt(sq_norms),
-        "param_norm": optax.tree.norm(params),
-    }
-    if dynamic:
-      metrics["mean_delay"] = jnp.mean(delays_NxJ.astype(jnp.float32))
-    return CyclicState(state.step + 1, params, stale, opt_state, model_state), metrics
+  def finish(state, metrics):
+    treedef = jax.tree.structure(state.params, is_leaf=_is_none)
+    return _with_versions(state, r.slots.ages(_version_leaves(state), count), treedef), metrics
 
-  if scan_steps is None:
-    body = one_step
-  elif dynamic:
-    def body(state, batches, delays_KxNxJ):
-      return jax.lax.scan(lambda s, xs: one_step(s, *xs), state, (batches, delays_KxNxJ))
-  else:
-    def body(state, batches):
-      return jax.lax.scan(one_step, state, batches)
+  return TrainStep(run=run, prepare=prepare, finish=finish, init=_init_fn(tx, r),
+                   rule=rule if r.dynamic else None, scan_steps=scan_steps)
 
-  batch_axis = 0 if scan_steps is None else 1
+
+def _compile(body, r: _Rule, mesh, axis_name, backend, scan_steps, donate):
+  """The jitted (or pmapped) program, and the shardings its inputs need (None for pmap)."""
   donate_argnums = (0,) if donate else ()
-  delay_specs = (P(),) if dynamic else ()
+  delay_specs = (P(),) if r.dynamic else ()
   if backend == "shard_map":
     batch_spec = P(axis_name) if scan_steps is None else P(None, axis_name)
+    replicated = NamedSharding(mesh, P())
+    # out_shardings: the state comes back placed exactly as it went in (the
+    # shard_map alone returns P(None, ...)), so the next call neither re-places
+    # it nor compiles again.
     run = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec) + delay_specs,
                       out_specs=(P(), P())),
-        donate_argnums=donate_argnums)
-    replicated = NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, batch_spec)
-  else:
-    if len(mesh.axis_names) != 1:
-      raise ValueError("The pmap backend needs a 1-D mesh; use backend='shard_map' for more axes.")
-    run = jax.pmap(body, axis_name, in_axes=(None, 0) + (None,) * len(delay_specs), out_axes=None,
-                   devices=list(mesh.devices.flat), donate_argnums=donate_argnums)
-    replicated = batch_sharding = None
+        out_shardings=(replicated, replicated), donate_argnums=donate_argnums)
+    return run, replicated, NamedSharding(mesh, batch_spec)
+  if len(mesh.axis_names) != 1:
+    raise ValueError("The pmap backend needs a 1-D mesh; use backend='shard_map' for more axes.")
+  run = jax.pmap(body, axis_name, in_axes=(None, 0) + (None,) * len(delay_specs), out_axes=None,
+                 devices=list(mesh.devices.flat), donate_argnums=donate_argnums)
+  return run, None, None
+
+
+def _prepare_fn(r: _Rule, ids_def, scan_steps, backend, replicated, batch_sharding):
+  """Checks and places ``(state, batch, *delays)`` for the program."""
+  batch_axis = 0 if scan_steps is None else 1
 
   def prepare(state: CyclicState, batch, *delays_arg):
     if jax.tree.structure(state.params) != ids_def:
       raise ValueError(
           "stage_ids do not match params: stage_ids must have the same tree structure "
           f"as params.\n  params:    {jax.tree.structure(state.params)}\n  stage_ids: {ids_def}")
+    state = _kept_versions(state, r)
     leaves = jax.tree.leaves(batch)
     if not leaves:
       raise ValueError("The batch has no array leaves.")
@@ -373,20 +533,19 @@ def make_train_step(
     if len(sizes) != 1:
       raise ValueError(f"Batch leaves disagree on the batch dimension: sizes {sorted(sizes)}.")
     size = sizes.pop()
-    if size % num_workers or size == 0:
+    if size % r.num_workers or size == 0:
       raise ValueError(
-          f"Batch size {size} is not divisible by the {num_workers} workers: use a global "
+          f"Batch size {size} is not divisible by the {r.num_workers} workers: use a global "
           f"batch of num_workers * per_worker_batch rows (worker i gets rows i*b:(i+1)*b).")
     if backend == "shard_map":
       return (_placed(state, replicated), _placed(batch, batch_sharding),
               *(jax.device_put(d, replicated) for d in delays_arg))
-    b = size // num_workers
+    b = size // r.num_workers
 
     def split(x):  # [.., N*b, ..] -> [N, .., b, ..]: the pmap axis leads.
       x = jnp.asarray(x)
-      shape = x.shape[:batch_axis] + (num_workers, b) + x.shape[batch_axis + 1:]
+      shape = x.shape[:batch_axis] + (r.num_workers, b) + x.shape[batch_axis + 1:]
       return jnp.moveaxis(x.reshape(shape), batch_axis, 0)
     return (state, jax.tree.map(split, batch), *delays_arg)
 
-  return TrainStep(run=run, prepare=prepare, rule=rule if dynamic else None,
-                   scan_steps=scan_steps)
+  return prepare

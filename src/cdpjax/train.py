@@ -111,8 +111,7 @@ def _data_runner(c, model, tx, variables, sample, mesh) -> Runner:
                                 backend=c.backend, with_model_state=model_state is not None)
   replicated = NamedSharding(mesh, P())
   return Runner(
-      init=lambda: jax.device_put(
-          engine.init_state(params, tx, rule=rule, model_state=model_state), replicated),
+      init=lambda: jax.device_put(step.init(params, model_state), replicated),
       step=step,
       variables=lambda s: {"params": s.params, **(s.model_state or {})})
 
