@@ -1,0 +1,242 @@
+"""The trainer under faults and misuse, through the launcher as a user runs it.
+
+Each scenario is a few real ``python -m cdpjax.main`` processes on the digits
+smoke config, shared by the asserts about them: a run interrupted by Ctrl-C
+while a second run tries its workdir, then resumed with a changed seed
+(refused) and with a corrupted newest checkpoint (falls back); a run killed
+with -9 in the middle of a save; a run whose parameters stop being finite at
+a checkpoint step.
+"""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from cdpjax import config as config_lib
+from cdpjax import engine
+from cdpjax import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def launcher(workdir, *overrides, config="configs/digits.py:smoke"):
+  return [sys.executable, "-m", "cdpjax.main", "--config", config, "--workdir", str(workdir),
+          *[f"--config.{o}" for o in overrides]]
+
+
+def run(workdir, *overrides, timeout=300):
+  return subprocess.run(launcher(workdir, *overrides), cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def wait_for(predicate, what, timeout=300):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if predicate():
+      return
+    time.sleep(0.02)
+  raise AssertionError(f"Timed out waiting for {what}.")
+
+
+def metric_rows(workdir):
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def train_losses(workdir):
+  return [(m["step"], m["train/loss"]) for m in metric_rows(workdir) if "train/loss" in m]
+
+
+def checkpoint_steps(workdir):
+  return sorted(int(p) for p in os.listdir(pathlib.Path(workdir) / "checkpoints") if p.isdigit())
+
+
+def last_line(stderr):
+  return stderr.strip().splitlines()[-1]
+
+
+LONG = ("num_train_steps=100000", "eval_every_steps=100000", "checkpoint_every_steps=3")
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+  """A run stopped by Ctrl-C, and a second run started on its workdir meanwhile."""
+  workdir = tmp_path_factory.mktemp("interrupted")
+  first = subprocess.Popen(launcher(workdir, *LONG), cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+  try:
+    wait_for(lambda: len(metric_rows(workdir)) >= 4, "four logged steps")
+    second = run(workdir, *LONG)
+    first.send_signal(signal.SIGINT)
+    out, err = first.communicate(timeout=300)
+  finally:
+    if first.poll() is None:
+      first.kill()
+  return dict(workdir=workdir, pid=first.pid, rc=first.returncode, stdout=out, stderr=err,
+              second=second, losses=train_losses(workdir),
+              summary=json.loads((workdir / "summary.json").read_text()))
+
+
+def test_a_second_run_on_the_workdir_is_refused_naming_the_first(interrupted):
+  second = interrupted["second"]
+  assert second.returncode == 1
+  assert f"is in use by pid {interrupted['pid']}" in second.stderr
+  assert "Traceback" not in second.stderr
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_resumable_status(interrupted):
+  assert interrupted["rc"] == train.EXIT_PREEMPTED, interrupted["stderr"][-3000:]
+  assert "Rerun the same command to resume" in last_line(interrupted["stderr"])
+  summary = interrupted["summary"]
+  assert summary["preempted"] and summary["stopped_by"] == "SIGINT"
+  final = summary["final_step"]
+  assert final >= 4
+  assert checkpoint_steps(interrupted["workdir"])[-1] == final
+  assert "final_accuracy" not in summary  # No evaluation of the final parameters was made.
+
+
+@pytest.fixture(scope="module")
+def changed_seed(interrupted):
+  workdir = interrupted["workdir"]
+  out = run(workdir, *LONG, "seed=1")
+  return out, json.loads((workdir / "config.json").read_text())
+
+
+def test_resume_with_a_changed_seed_is_refused_naming_the_key(changed_seed):
+  out, config = changed_seed
+  assert out.returncode == 1
+  assert "seed: checkpoint 0, config 1" in out.stderr
+  assert "Traceback" not in out.stderr
+  assert config["seed"] == 0  # config.json still describes the checkpoints.
+
+
+@pytest.fixture(scope="module")
+def resumed_past_a_corrupt_checkpoint(interrupted, changed_seed):
+  """The newest checkpoint corrupted, then the run resumed for two more steps and rerun."""
+  del changed_seed  # Runs first: it must see the intact checkpoints.
+  workdir = interrupted["workdir"]
+  newest = checkpoint_steps(workdir)[-1]
+  for data_file in (workdir / "checkpoints" / str(newest) / "state").rglob("*"):
+    if data_file.is_file() and "METADATA" not in data_file.name:
+      data_file.write_bytes(b"\0garbage")
+  end = interrupted["summary"]["final_step"] + 2
+  out = run(workdir, f"num_train_steps={end}", "eval_every_steps=100000",
+            "checkpoint_every_steps=3")
+  summary_text = (workdir / "summary.json").read_text()
+  again = run(workdir, f"num_train_steps={end}", "eval_every_steps=100000",
+              "checkpoint_every_steps=3")
+  return dict(workdir=workdir, newest=newest, end=end, out=out, again=again,
+              summary_text=summary_text)
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(
+    interrupted, resumed_past_a_corrupt_checkpoint):
+  r = resumed_past_a_corrupt_checkpoint
+  assert r["out"].returncode == 0, r["out"].stderr[-3000:]
+  assert f"checkpoints/{r['newest']} is unreadable" in r["out"].stderr
+  assert "resuming from the previous one" in r["out"].stderr
+  assert "num_train_steps changed: 100000 -> " in r["out"].stderr
+  assert (r["workdir"] / "unreadable_checkpoints").is_dir()
+  summary = json.loads(r["summary_text"])
+  assert summary["final_step"] == r["end"] and not summary["preempted"]
+  assert "final_accuracy" in summary
+  # metrics.jsonl is one trajectory: every step once, the replayed steps as before.
+  losses = train_losses(r["workdir"])
+  assert [s for s, _ in losses] == list(range(1, r["end"] + 1))
+  before = dict(interrupted["losses"])
+  assert {s: l for s, l in losses if s in before} == before
+
+
+def test_rerunning_a_finished_run_keeps_its_summary(resumed_past_a_corrupt_checkpoint):
+  r = resumed_past_a_corrupt_checkpoint
+  assert r["again"].returncode == 0, r["again"].stderr[-3000:]
+  assert "nothing to do" in r["again"].stderr
+  assert (r["workdir"] / "summary.json").read_text() == r["summary_text"]
+
+
+def test_kill_9_during_a_save_loses_nothing(tmp_path):
+  """Killed while a checkpoint is being written: the rerun takes over the lock and resumes."""
+  overrides = ("num_train_steps=8", "eval_every_steps=100000", "checkpoint_every_steps=1")
+  victim = subprocess.Popen(launcher(tmp_path, *overrides), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  checkpoints = tmp_path / "checkpoints"
+
+  def saving():
+    names = os.listdir(checkpoints) if checkpoints.is_dir() else []
+    return len(names) >= 2 and any("tmp" in n for n in names)
+  try:
+    wait_for(lambda: saving() or victim.poll() is not None, "a save in progress")
+  finally:
+    victim.kill()
+    victim.wait()
+  assert victim.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+  out = run(tmp_path, *overrides)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads((tmp_path / "summary.json").read_text())["final_step"] == 8
+  assert [s for s, _ in train_losses(tmp_path)] == list(range(1, 9))
+
+
+def test_parameters_that_stop_being_finite_are_never_checkpointed(tmp_path):
+  # An infinite learning rate: the loss of step 1 is finite, the parameters after it are not.
+  out = run(tmp_path, "learning_rate=1e39", "checkpoint_every_steps=1")
+  assert out.returncode == 1
+  assert "Traceback" not in out.stderr
+  lines = out.stderr.strip().splitlines()
+  assert "The parameters after step 1 are not finite" in lines[-2]
+  assert "No checkpoint was saved" in lines[-1]
+  assert not os.listdir(tmp_path / "checkpoints")  # Not even a half-written one.
+
+
+def test_a_finite_check_sees_every_leaf():
+  ok = {"w": np.ones(3, np.float32), "steps": np.int32(3)}
+  assert bool(train._all_finite(np.float32(1.0), ok))
+  assert not bool(train._all_finite(np.float32(np.nan), ok))
+  assert not bool(train._all_finite(np.float32(1.0), {**ok, "b": np.array([1.0, np.inf])}))
+
+
+def test_the_engine_does_not_replace_a_placed_state():
+  """After the first step the state is already replicated: the step must not copy it."""
+  mesh = jax.make_mesh((8,), ("data",))
+  params = {"w": np.ones((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+  tx = optax.sgd(0.1)
+  step = engine.make_train_step(lambda p, b: ((b["x"] @ p["w"] + p["b"][None]) ** 2).mean(), tx,
+                                stage_ids={"w": 0, "b": 0}, rule="dp", mesh=mesh)
+  batch = {"x": np.ones((16, 4), np.float32)}
+  state, _ = step(engine.init_state(params, tx, rule="dp"), batch)
+  placed, _ = step.prepare(state, batch)
+  assert all(a is b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(state)))
+
+
+@pytest.mark.skipif(os.getuid() == 0, reason="root writes in read-only directories")
+def test_a_read_only_workdir_is_a_clear_error(tmp_path):
+  os.chmod(tmp_path, 0o500)
+  try:
+    with pytest.raises(train.WorkdirError, match="not writable"):
+      train.train_and_evaluate(_smoke(), str(tmp_path))
+  finally:
+    os.chmod(tmp_path, 0o700)
+
+
+def _smoke(**overrides):
+  return config_lib.load(str(ROOT / "configs" / "digits.py"), "smoke", **overrides)
+
+
+def test_a_workdir_that_is_a_file_is_a_clear_error(tmp_path):
+  path = tmp_path / "file"
+  path.write_text("")
+  with pytest.raises(train.WorkdirError, match="is a file, not a directory"):
+    train.train_and_evaluate(_smoke(), str(path))
+
+
+def test_keep_checkpoints_zero_is_refused(tmp_path):
+  with pytest.raises(ValueError, match="keep_checkpoints must be >= 1"):
+    train.train_and_evaluate(_smoke(keep_checkpoints=0), str(tmp_path))
