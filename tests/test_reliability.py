@@ -240,3 +240,34 @@ def test_a_workdir_that_is_a_file_is_a_clear_error(tmp_path):
 def test_keep_checkpoints_zero_is_refused(tmp_path):
   with pytest.raises(ValueError, match="keep_checkpoints must be >= 1"):
     train.train_and_evaluate(_smoke(keep_checkpoints=0), str(tmp_path))
+
+
+def test_cifar10_preparation_runs_the_builder_on_a_local_extracted_archive(tmp_path):
+  """The README's Data command, offline: tfds's real cifar10 builder on fake batch files."""
+  extracted = tmp_path / "extracted" / "cifar-10-batches-bin"
+  extracted.mkdir(parents=True)
+  (extracted / "batches.meta.txt").write_text("\n".join(f"class{k}" for k in range(10)) + "\n")
+  rng = np.random.default_rng(0)
+  labels = {}
+  for name, rows in [(f"data_batch_{k}.bin", 4) for k in range(1, 6)] + [("test_batch.bin", 8)]:
+    label = rng.integers(0, 10, rows, dtype=np.uint8)
+    pixels = rng.integers(0, 256, (rows, 3072), dtype=np.uint8)
+    (extracted / name).write_bytes(np.concatenate([label[:, None], pixels], 1).tobytes())
+    labels[name] = label
+  # `python -m cdpjax.data.tfds_pipeline cifar10 --data_dir ... --extracted_dir ...`, in
+  # this process (TensorFlow is imported once).
+  from cdpjax import data  # pylint: disable=g-import-not-at-top
+  from cdpjax.data import tfds_pipeline  # pylint: disable=g-import-not-at-top
+  tfds_pipeline.main(["cifar10", "--data_dir", str(tmp_path / "tfds"),
+                      "--extracted_dir", str(tmp_path / "extracted")])
+  cifar = data.get_dataset("cifar10", data_dir=str(tmp_path / "tfds"))
+  assert (cifar.num_train, cifar.num_eval) == (20, 8)
+  batch = next(cifar.eval_batches(8))
+  np.testing.assert_array_equal(np.sort(batch["label"]), np.sort(labels["test_batch.bin"]))
+  assert batch["image"].shape == (8, 32, 32, 3)
+
+
+def test_another_model_on_a_config_drops_the_options_it_does_not_take():
+  c = _smoke(model="resnet18")  # `--config.model=resnet18` on the digits config.
+  assert train._model_kwargs(c) == {"width": 32}  # Not the residual MLP's hidden, num_blocks.
+  assert train._model_kwargs(_smoke()) == {"width": 32, "hidden": 64, "num_blocks": 4}
