@@ -1,11 +1,12 @@
 """The trainer under faults and misuse, through the launcher as a user runs it.
 
-Each scenario is a few real ``python -m cdpjax.main`` processes on the digits
-smoke config, shared by the asserts about them: a run interrupted by Ctrl-C
-while a second run tries its workdir, then resumed with a changed seed
-(refused) and with a corrupted newest checkpoint (falls back); a run killed
-with -9 in the middle of a save; a run whose parameters stop being finite at
-a checkpoint step.
+Real ``python -m cdpjax.main`` processes on the digits smoke config, in one
+chain on one workdir whose results the asserts share: a run interrupted by
+Ctrl-C while a second run tries its workdir; a resume with a changed seed
+(refused); with the newest checkpoint corrupted, a resume (falls back to the
+previous one) killed with -9 during a save; the resume of that; a rerun of the
+finished run. Apart: a run whose parameters stop being finite at a
+checkpoint step.
 """
 import json
 import os
@@ -120,69 +121,58 @@ def test_resume_with_a_changed_seed_is_refused_naming_the_key(changed_seed):
 
 
 @pytest.fixture(scope="module")
-def resumed_past_a_corrupt_checkpoint(interrupted, changed_seed):
-  """The newest checkpoint corrupted, then the run resumed for two more steps and rerun."""
+def resumed(interrupted, changed_seed):
+  """The newest checkpoint corrupted; a resume killed with -9 during a save; resumed again."""
   del changed_seed  # Runs first: it must see the intact checkpoints.
   workdir = interrupted["workdir"]
   newest = checkpoint_steps(workdir)[-1]
   for data_file in (workdir / "checkpoints" / str(newest) / "state").rglob("*"):
     if data_file.is_file() and "METADATA" not in data_file.name:
       data_file.write_bytes(b"\0garbage")
-  end = interrupted["summary"]["final_step"] + 2
-  out = run(workdir, f"num_train_steps={end}", "eval_every_steps=100000",
-            "checkpoint_every_steps=3")
+  end = interrupted["summary"]["final_step"] + 6
+  overrides = (f"num_train_steps={end}", "eval_every_steps=100000", "checkpoint_every_steps=1")
+  victim = subprocess.Popen(launcher(workdir, *overrides), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+  checkpoints = workdir / "checkpoints"
+  try:
+    wait_for(lambda: any("tmp" in n for n in os.listdir(checkpoints)) or victim.poll() is not None,
+             "a save in progress")
+  finally:
+    victim.kill()
+    _, victim_err = victim.communicate()
+  out = run(workdir, *overrides)
   summary_text = (workdir / "summary.json").read_text()
-  again = run(workdir, f"num_train_steps={end}", "eval_every_steps=100000",
-              "checkpoint_every_steps=3")
-  return dict(workdir=workdir, newest=newest, end=end, out=out, again=again,
-              summary_text=summary_text)
+  again = run(workdir, *overrides)
+  return dict(workdir=workdir, newest=newest, end=end, victim_rc=victim.returncode,
+              victim_err=victim_err, out=out, again=again, summary_text=summary_text)
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(
-    interrupted, resumed_past_a_corrupt_checkpoint):
-  r = resumed_past_a_corrupt_checkpoint
-  assert r["out"].returncode == 0, r["out"].stderr[-3000:]
-  assert f"checkpoints/{r['newest']} is unreadable" in r["out"].stderr
-  assert "resuming from the previous one" in r["out"].stderr
-  assert "num_train_steps changed: 100000 -> " in r["out"].stderr
-  assert (r["workdir"] / "unreadable_checkpoints").is_dir()
-  summary = json.loads(r["summary_text"])
-  assert summary["final_step"] == r["end"] and not summary["preempted"]
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(resumed):
+  err = resumed["victim_err"]
+  assert f"checkpoints/{resumed['newest']} is unreadable" in err, err[-3000:]
+  assert "resuming from the previous one" in err
+  assert "num_train_steps changed: 100000 -> " in err
+  assert (resumed["workdir"] / "unreadable_checkpoints").is_dir()
+
+
+def test_kill_9_during_a_save_loses_nothing(interrupted, resumed):
+  """The rerun takes over the dead run's lock, resumes and continues one trajectory."""
+  assert resumed["victim_rc"] == -signal.SIGKILL, "the run ended before it could be killed"
+  assert resumed["out"].returncode == 0, resumed["out"].stderr[-3000:]
+  summary = json.loads(resumed["summary_text"])
+  assert summary["final_step"] == resumed["end"] and not summary["preempted"]
   assert "final_accuracy" in summary
   # metrics.jsonl is one trajectory: every step once, the replayed steps as before.
-  losses = train_losses(r["workdir"])
-  assert [s for s, _ in losses] == list(range(1, r["end"] + 1))
+  losses = train_losses(resumed["workdir"])
+  assert [s for s, _ in losses] == list(range(1, resumed["end"] + 1))
   before = dict(interrupted["losses"])
   assert {s: l for s, l in losses if s in before} == before
 
 
-def test_rerunning_a_finished_run_keeps_its_summary(resumed_past_a_corrupt_checkpoint):
-  r = resumed_past_a_corrupt_checkpoint
-  assert r["again"].returncode == 0, r["again"].stderr[-3000:]
-  assert "nothing to do" in r["again"].stderr
-  assert (r["workdir"] / "summary.json").read_text() == r["summary_text"]
-
-
-def test_kill_9_during_a_save_loses_nothing(tmp_path):
-  """Killed while a checkpoint is being written: the rerun takes over the lock and resumes."""
-  overrides = ("num_train_steps=8", "eval_every_steps=100000", "checkpoint_every_steps=1")
-  victim = subprocess.Popen(launcher(tmp_path, *overrides), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  checkpoints = tmp_path / "checkpoints"
-
-  def saving():
-    names = os.listdir(checkpoints) if checkpoints.is_dir() else []
-    return len(names) >= 2 and any("tmp" in n for n in names)
-  try:
-    wait_for(lambda: saving() or victim.poll() is not None, "a save in progress")
-  finally:
-    victim.kill()
-    victim.wait()
-  assert victim.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-  out = run(tmp_path, *overrides)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert json.loads((tmp_path / "summary.json").read_text())["final_step"] == 8
-  assert [s for s, _ in train_losses(tmp_path)] == list(range(1, 9))
+def test_rerunning_a_finished_run_keeps_its_summary(resumed):
+  assert resumed["again"].returncode == 0, resumed["again"].stderr[-3000:]
+  assert "nothing to do" in resumed["again"].stderr
+  assert (resumed["workdir"] / "summary.json").read_text() == resumed["summary_text"]
 
 
 def test_parameters_that_stop_being_finite_are_never_checkpointed(tmp_path):
