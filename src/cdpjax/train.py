@@ -190,7 +190,7 @@ def make_eval_fn(model, mesh):
   def on_mesh(x):
     # The pmap backend returns its state on pmap's own mesh (Auto axes), which
     # jit refuses to mix with the batch's (Explicit axes): place it on ours.
-    if getattr(x.sharding, "mesh", None) == mesh:
+    if not isinstance(x, jax.Array) or getattr(x.sharding, "mesh", None) == mesh:
       return x
     return jax.device_put(x, replicated)
 
@@ -708,6 +708,10 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer, log: Metr
         if save or evaluate:
           check_and_log(*pending)
           pending = None
+        if evaluate:
+          eval_metrics, eval_step = eval_now(state), step
+          log.write(step, eval_metrics)
+          progress.set_postfix(acc=f"{eval_metrics['eval/accuracy']:.3f}")
         if save:
           # A checkpoint is a promise that training can go on from it: only
           # finite parameters are saved (checked only on the steps that save).
@@ -717,10 +721,6 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer, log: Metr
                 "finite): not saving them. Lower --config.learning_rate, or resume from the "
                 "last checkpoint with a smaller one.")
           checkpointer.save(step, state, data_position=step)
-        if evaluate:
-          eval_metrics, eval_step = eval_now(state), step
-          log.write(step, eval_metrics)
-          progress.set_postfix(acc=f"{eval_metrics['eval/accuracy']:.3f}")
         if stop:
           break
       if pending is not None:
