@@ -118,7 +118,7 @@ def test_imagenet2012_batches(mock_tfds, tmp_path):
 
 
 @pytest.mark.parametrize("name,fix", [
-    ("cifar10", "tfds build cifar10 --data_dir="),
+    ("cifar10", "python -m cdpjax.data.tfds_pipeline cifar10 --data_dir="),
     ("imagenet2012", "downloads/manual"),
 ])
 def test_missing_dataset_says_how_to_fix_it(tmp_path, name, fix):

@@ -126,7 +126,8 @@ class TestBadConfig:
 
   def test_non_finite_loss_names_the_step(self, tmp_path):
     c = load_config("digits", "smoke", learning_rate=1e12, num_train_steps=30)
-    with pytest.raises(FloatingPointError, match="Non-finite training loss .* at step"):
+    with pytest.raises(FloatingPointError,
+                       match="Non-finite training loss .* at step|parameters after step .* are not finite"):
       train.train_and_evaluate(c, str(tmp_path))
 
 
@@ -139,15 +140,22 @@ def test_launcher_keeps_a_device_count_the_user_set(monkeypatch):
   assert os.environ["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=8"
 
 
-def test_console_launcher_emulates_the_devices_it_needs(tmp_path):
-  """The README's command, with no XLA_FLAGS: the launcher sets up 8 CPU devices."""
+def test_console_launcher_runs_both_backends_alike(tmp_path):
+  """The README's command, with no XLA_FLAGS (the launcher sets up 8 CPU devices), and pmap."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run(
-      [sys.executable, "-m", "cdpjax.main", "--config", "configs/digits.py:smoke",
-       "--workdir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-      timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert json.load(open(tmp_path / "summary.json"))["final_step"] == 4
+  losses = {}
+  for backend in ("shard_map", "pmap"):
+    out = subprocess.run(
+        [sys.executable, "-m", "cdpjax.main", "--config", "configs/digits.py:smoke",
+         "--workdir", str(tmp_path / backend), f"--config.backend={backend}"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.load(open(tmp_path / backend / "summary.json"))
+    assert summary["final_step"] == 4 and 0 <= summary["final_accuracy"] <= 1
+    losses[backend] = train_losses(tmp_path / backend)
+  assert sorted(losses["pmap"]) == [1, 2, 3, 4]
+  np.testing.assert_allclose([losses["pmap"][k] for k in range(1, 5)],
+                             [losses["shard_map"][k] for k in range(1, 5)], rtol=1e-5)
 
 
 @pytest.fixture(scope="module")

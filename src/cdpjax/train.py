@@ -190,7 +190,7 @@ def make_eval_fn(model, mesh):
   def on_mesh(x):
     # The pmap backend returns its state on pmap's own mesh (Auto axes), which
     # jit refuses to mix with the batch's (Explicit axes): place it on ours.
-    if getattr(x.sharding, "mesh", None) == mesh:
+    if not isinstance(x, jax.Array) or getattr(x.sharding, "mesh", None) == mesh:
       return x
     return jax.device_put(x, replicated)
 
@@ -281,7 +281,10 @@ class Checkpointer:
   def _where(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def _check_config(self, meta: dict, step: int) -> None:
+  def read_meta(self, step: int) -> dict:
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def check_config(self, meta: dict, step: int) -> None:
     saved = meta.get("config")
     if saved is None:  # Checkpoints of earlier versions saved the identity keys and the seed.
       saved = {**meta["identity"], "seed": meta["seed"]}
@@ -305,12 +308,11 @@ class Checkpointer:
     unreadable = []
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
-        meta = self.manager.restore(
-            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        meta = self.read_meta(step)
       except Exception as e:  # pylint: disable=broad-except
         unreadable.append((step, e))
         continue
-      self._check_config(meta, step)
+      self.check_config(meta, step)
       try:
         state = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state)))["state"]
@@ -602,9 +604,33 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
       lock.release()
 
 
+def _finished(c, workdir: str, checkpointer: Checkpointer) -> dict | None:
+  """The summary of a run that already reached ``num_train_steps``, or ``None``.
+
+  Checked before anything is built, so that rerunning a finished run is quick
+  and leaves its summary alone.
+  """
+  path = os.path.join(workdir, "summary.json")
+  step = checkpointer.manager.latest_step()
+  if c.num_train_steps < 1 or step is None or step < c.num_train_steps or not os.path.exists(path):
+    return None
+  with open(path) as f:
+    summary = json.load(f)
+  if summary.get("final_step") != step or summary.get("preempted"):
+    return None
+  checkpointer.check_config(checkpointer.read_meta(step), step)
+  return summary
+
+
 def _train_locked(c, workdir: str) -> dict:
-  run = _build(c)
   checkpointer = Checkpointer(workdir, c)
+  summary = _finished(c, workdir, checkpointer)
+  if summary is not None:
+    checkpointer.close()
+    logging.warning("The run in %s already reached step %d: nothing to do (raise "
+                    "--config.num_train_steps to train on).", workdir, summary["final_step"])
+    return summary
+  run = _build(c)
   state = run.runner.init()
   start = 0
   restored = checkpointer.restore_latest(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
@@ -682,6 +708,10 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer, log: Metr
         if save or evaluate:
           check_and_log(*pending)
           pending = None
+        if evaluate:
+          eval_metrics, eval_step = eval_now(state), step
+          log.write(step, eval_metrics)
+          progress.set_postfix(acc=f"{eval_metrics['eval/accuracy']:.3f}")
         if save:
           # A checkpoint is a promise that training can go on from it: only
           # finite parameters are saved (checked only on the steps that save).
@@ -691,10 +721,6 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer, log: Metr
                 "finite): not saving them. Lower --config.learning_rate, or resume from the "
                 "last checkpoint with a smaller one.")
           checkpointer.save(step, state, data_position=step)
-        if evaluate:
-          eval_metrics, eval_step = eval_now(state), step
-          log.write(step, eval_metrics)
-          progress.set_postfix(acc=f"{eval_metrics['eval/accuracy']:.3f}")
         if stop:
           break
       if pending is not None:

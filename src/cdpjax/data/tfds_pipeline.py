@@ -12,7 +12,10 @@ or augmented), and then yields exactly what a straight run yields.
 """
 from __future__ import annotations
 
+import argparse
+import os
 from typing import Callable, Iterator, NamedTuple
+from unittest import mock
 
 from etils import epath
 import numpy as np
@@ -87,9 +90,12 @@ _CIFAR10 = _Spec(
     shuffle_buffer=50_000, decoders=None,
     train_image=_cifar_train_image, eval_image=lambda image: image,
     how_to_prepare=(
-        "tfds cannot download it without network access to the dataset host. To fix it, on "
-        "a machine with network access run `tfds build cifar10 --data_dir={root}` (or pass "
-        "download=True there), copy {root}/cifar10 here and pass --config.data_dir={root}."))
+        "tfds cannot download it without network access to the dataset host. To fix it, "
+        "run `python -m cdpjax.data.tfds_pipeline cifar10 --data_dir={root}` (after "
+        "`pip install -e \".[data]\"`; see the README's Data section) on a machine with "
+        "network access and copy {root}/cifar10 here, or add --extracted_dir to that command "
+        "to prepare it from a copy of the extracted archive; then pass "
+        "--config.data_dir={root}."))
 
 _IMAGENET2012 = _Spec(
     name="imagenet2012", eval_split="validation", num_classes=1000, image_shape=(224, 224, 3),
@@ -100,8 +106,9 @@ _IMAGENET2012 = _Spec(
     how_to_prepare=(
         "tfds never downloads ImageNet (and there may be no network to the dataset host "
         "here). To fix it, place ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar in "
-        "{root}/downloads/manual, run `tfds build imagenet2012 --data_dir={root}` and pass "
-        "--config.data_dir={root}."))
+        "{root}/downloads/manual, run `python -m cdpjax.data.tfds_pipeline imagenet2012 "
+        "--data_dir={root}` (after `pip install -e \".[data]\"`; see the README's Data "
+        "section) and pass --config.data_dir={root}."))
 
 
 def _hide_accelerators_from_tf() -> None:
@@ -226,3 +233,48 @@ def cifar10(data_dir: str | None = None, download: bool = False) -> TfdsDataset:
 def imagenet2012(data_dir: str | None = None, download: bool = False) -> TfdsDataset:
   """ImageNet-1k: inception crop and flip for training, resize 256 + center 224 for eval."""
   return TfdsDataset(_IMAGENET2012, data_dir, download)
+
+
+def prepare(name: str, data_dir: str | None = None, extracted_dir: str | None = None) -> None:
+  """Downloads and prepares a tfds dataset in ``data_dir`` (what ``tfds build`` does).
+
+  The tfds command line imports ``apache_beam`` for every command (tfds
+  4.9), which no plain install brings; this is the same preparation
+  without it. ``download_and_prepare`` itself needs ``importlib_resources``:
+  ``pip install -e ".[data]"``.
+
+  Args:
+    name: ``cifar10`` or ``imagenet2012``.
+    data_dir: the tfds data directory; ``None`` for the tfds default.
+    extracted_dir: for a machine without network access: a directory that
+      holds what the dataset's archive extracts to (for CIFAR-10,
+      ``cifar-10-batches-bin/``), used instead of downloading it.
+  """
+  if name not in ("cifar10", "imagenet2012"):
+    raise ValueError(f"Unknown dataset {name!r}: prepare cifar10 or imagenet2012.")
+  builder = tfds.builder(name, data_dir=data_dir)
+  if extracted_dir is None:
+    builder.download_and_prepare()
+    return
+  if not os.path.isdir(extracted_dir):
+    raise FileNotFoundError(f"--extracted_dir {extracted_dir} is not a directory.")
+  # The builder asks its download manager for the extracted archive: hand it ours.
+  with mock.patch.object(tfds.download.DownloadManager, "download_and_extract",
+                         lambda self, url: os.path.abspath(extracted_dir)):
+    builder.download_and_prepare()
+
+
+def main(argv=None) -> None:
+  """``python -m cdpjax.data.tfds_pipeline cifar10 --data_dir DIR [--extracted_dir DIR]``."""
+  parser = argparse.ArgumentParser(description=prepare.__doc__.splitlines()[0])
+  parser.add_argument("name", choices=("cifar10", "imagenet2012"))
+  parser.add_argument("--data_dir", default=None, help="tfds data directory (default: tfds's).")
+  parser.add_argument("--extracted_dir", default=None,
+                      help="the extracted archive, instead of downloading it")
+  args = parser.parse_args(argv)
+  prepare(args.name, args.data_dir, args.extracted_dir)
+  print(f"Prepared {args.name} in {tfds.builder(args.name, data_dir=args.data_dir).data_dir}.")
+
+
+if __name__ == "__main__":
+  main()
