@@ -4,6 +4,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 
@@ -76,10 +78,15 @@ def test_report_runs_benches_and_names_missing_ones(tmp_path):
 
 
 def test_bench_engine_quick(tmp_path):
-  result = _script("bench_engine").main(["--quick", "--results_dir", str(tmp_path)])
+  result = _script("bench_engine").main(["--quick", "--results_dir", str(tmp_path),
+                                         "--workloads", "mlp"])
   saved = json.loads((tmp_path / "bench_engine.json").read_text())
-  assert set(saved["variants"]) == {"engine dp", "engine cdp-v1", "engine cdp-v2", "plain dp"}
-  assert set(result["ratios"]) == {"cdp-v1/dp", "cdp-v2/dp", "engine dp/plain dp"}
-  # CDP keeps exactly one stale copy of the parameters in its state.
-  args = {k: v["argument_bytes"] for k, v in saved["variants"].items()}
-  assert args["engine cdp-v2"] - args["engine dp"] == saved["param_bytes"]
+  (mlp,) = saved["workloads"]
+  assert set(mlp["variants"]) == {"engine dp", "engine dp, norms", "engine cdp-v1",
+                                  "engine cdp-v2", "plain dp"}
+  assert set(result["workloads"][0]["ratios"]) == {"cdp-v1/dp", "cdp-v2/dp",
+                                                   "engine dp/plain dp", "norms on/off"}
+  # CDP's extra peak is the stale stages it keeps, and no step copies a parameter.
+  for rule in ("cdp-v1", "cdp-v2"):
+    assert mlp["extra_peak_over_stale_bytes"][rule] == pytest.approx(1.0, abs=0.05)
+  assert mlp["goals_met"]["no parameter copies"]

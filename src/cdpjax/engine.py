@@ -97,7 +97,7 @@ def _reduce_by_stage(grads, stage_of_leaf, num_stages, extras, axis_name, num_wo
 
   ``extras`` (the loss, model state) ride in the last stage's bucket, so a
   float32 model issues exactly ``J`` all-reduces. Returns the reduced
-  ``(grads, extras, sq_norm_per_stage)``.
+  ``(grads, extras)``.
   """
   g_leaves, g_def = jax.tree.flatten(grads)
   x_leaves, x_def = jax.tree.flatten(extras)
@@ -107,13 +107,10 @@ def _reduce_by_stage(grads, stage_of_leaf, num_stages, extras, axis_name, num_wo
   for k, leaf in enumerate(x_leaves):
     buckets.setdefault((num_stages - 1, _bucket_key(leaf)), []).append(("x", k, leaf))
   g_out, x_out = [None] * len(g_leaves), [None] * len(x_leaves)
-  sq_norms = [jnp.zeros((), jnp.float32) for _ in range(num_stages)]
   for (stage, _), items in sorted(buckets.items()):
     # Scaled before packing, so the scaling fuses into the copy into the bucket.
     flat = jnp.concatenate([jnp.ravel(leaf) / num_workers for _, _, leaf in items])
     flat = jax.lax.psum(flat, axis_name)
-    num_grads = sum(leaf.size for kind, _, leaf in items if kind == "g")
-    sq_norms[stage] = sq_norms[stage] + jnp.sum(jnp.square(flat[:num_grads].astype(jnp.float32)))
     offset = 0
     for kind, k, leaf in items:
       part = flat[offset:offset + leaf.size].reshape(leaf.shape)
@@ -122,8 +119,7 @@ def _reduce_by_stage(grads, stage_of_leaf, num_stages, extras, axis_name, num_wo
         g_out[k] = part
       else:
         x_out[k] = part
-  return (jax.tree.unflatten(g_def, g_out), jax.tree.unflatten(x_def, x_out),
-          jnp.stack(sq_norms))
+  return jax.tree.unflatten(g_def, g_out), jax.tree.unflatten(x_def, x_out)
 
 
 def _is_none(x) -> bool:
@@ -225,6 +221,30 @@ def _with_versions(state, version_leaves: list[list], treedef) -> "CyclicState":
   return state._replace(params=trees[0], stale_params=tuple(trees[1:]))
 
 
+def _norms(want, grads, params, stage_of_leaf, num_stages: int) -> dict:
+  """Per-stage gradient norms and the parameter norm, computed only when ``want`` is true.
+
+  Each is a pass over the parameters, which costs a memory-bound model like
+  the residual MLP a tenth of its step; skipped, they are NaN.
+  """
+
+  def compute(grads, params):
+    sq = [jnp.zeros((), jnp.float32) for _ in range(num_stages)]
+    for leaf, stage in zip(jax.tree.leaves(grads), stage_of_leaf):
+      sq[stage] = sq[stage] + jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+    sq = jnp.stack(sq)
+    return {"grad_norm": jnp.sqrt(jnp.sum(sq)), "grad_norm_per_stage": jnp.sqrt(sq),
+            "param_norm": optax.tree.norm(params).astype(jnp.float32)}
+
+  def skip(grads, params):
+    del grads, params
+    nan = jnp.full((), jnp.nan, jnp.float32)
+    return {"grad_norm": nan, "grad_norm_per_stage": jnp.full((num_stages,), jnp.nan, jnp.float32),
+            "param_norm": nan}
+
+  return jax.lax.cond(want, compute, skip, grads, params)
+
+
 def _placed(tree, sharding):
   """``tree`` on ``sharding``; a no-op check when it already is (every step after the first)."""
   # Equivalence, not equality: a shard_map output with out_specs=P() comes back
@@ -243,6 +263,10 @@ class TrainStep:
   the stale versions this rule reads; ``lower(state, batch)`` gives the lowered
   program (for StableHLO, memory and cost inspection) after the same input
   checks and placement.
+
+  ``step(state, batch, norms=False)`` skips the gradient and parameter norms
+  (NaN in the metrics): a trainer asks for them on the steps it logs. The flag
+  is data, so either way runs the same compiled program.
 
   With a ``schedule.DelayRule``, ``step(state, batch, delays)`` takes the step's
   ``(N, J)`` matrix (``(K, N, J)`` with ``scan_steps=K``) as data. Without
@@ -278,29 +302,29 @@ class TrainStep:
           f"that many stale versions); got {delays.min()}..{delays.max()}.")
     return delays.astype(np.int32)
 
-  def __call__(self, state, batch, delays=None):
+  def __call__(self, state, batch, delays=None, *, norms=True):
     if self.rule is None:
       if delays is not None:
         raise ValueError("This step's delays are fixed; pass delays only with a schedule.DelayRule.")
-      return self.finish(*self.run(*self.prepare(state, batch)))
+      return self.finish(*self.run(*self.prepare(state, batch, norms)))
     count = self.scan_steps or 1
     step = None
     if delays is None:
       step = self._step_of(state)
       delays = self.rule.window(step, count) if self.scan_steps else self.rule(step)
-    new_state, metrics = self.finish(*self.run(*self.prepare(state, batch,
+    new_state, metrics = self.finish(*self.run(*self.prepare(state, batch, norms,
                                                              self._check_delays(delays))))
     if step is not None:  # Spares the next call a device-to-host read of the step.
       self._host_step.update(array=new_state.step, step=step + count)
     return new_state, metrics
 
-  def lower(self, state, batch, delays=None):
+  def lower(self, state, batch, delays=None, *, norms=True):
     if self.rule is None:
-      return self.run.lower(*self.prepare(state, batch))
+      return self.run.lower(*self.prepare(state, batch, norms))
     if delays is None:
       count = self.scan_steps or 1
       delays = self.rule.window(0, count) if self.scan_steps else self.rule(0)
-    return self.run.lower(*self.prepare(state, batch, self._check_delays(delays)))
+    return self.run.lower(*self.prepare(state, batch, norms, self._check_delays(delays)))
 
 
 class _Rule(NamedTuple):
@@ -340,7 +364,7 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool):
   """``one_step(state_in_slots, phase, batch, delays_NxJ) -> (state_in_slots, metrics)``."""
   slots_of = r.slots
 
-  def one_step(state: CyclicState, phase: int, batch, delays_NxJ=None):
+  def one_step(state: CyclicState, phase: int, batch, want_norms, delays_NxJ=None):
     treedef = jax.tree.structure(state.params, is_leaf=_is_none)
     ages = slots_of.ages(_version_leaves(state), phase)
     if r.dynamic:
@@ -354,17 +378,12 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool):
     else:
       loss, grads = jax.value_and_grad(loss_fn)(view, batch)
       model_state = state.model_state
-    grads, (loss, model_state), sq_norms = _reduce_by_stage(
+    grads, (loss, model_state) = _reduce_by_stage(
         grads, r.stage_of_leaf, r.num_stages, (loss, model_state), axis_name, r.num_workers)
     current = jax.tree.unflatten(treedef, ages[0])
     updates, opt_state = tx.update(grads, state.opt_state, current)
     params = optax.apply_updates(current, updates)
-    metrics = {
-        "loss": loss,
-        "grad_norm": jnp.sqrt(jnp.sum(sq_norms)),
-        "grad_norm_per_stage": jnp.sqrt(sq_norms),
-        "param_norm": optax.tree.norm(params),
-    }
+    metrics = {"loss": loss, **_norms(want_norms, grads, params, r.stage_of_leaf, r.num_stages)}
     if r.dynamic:
       metrics["mean_delay"] = jnp.mean(delays_NxJ.astype(jnp.float32))
     slots = slots_of.advance(_version_leaves(state), jax.tree.leaves(params), phase)
@@ -378,10 +397,11 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool):
 def _body_fn(one_step, scan_steps: int | None):
   """The program: one step, or ``K`` steps in a ``lax.scan``."""
   if scan_steps is None:
-    return lambda state, batch, *delays: one_step(state, 0, batch, *delays)
+    return lambda state, batch, want_norms, *delays: one_step(state, 0, batch, want_norms, *delays)
 
-  def body(state, batches, *delays):
-    return jax.lax.scan(lambda s, xs: one_step(s, 0, *xs), state, (batches,) + delays)
+  def body(state, batches, want_norms, *delays):
+    return jax.lax.scan(lambda s, xs: one_step(s, 0, *xs), state,
+                        (batches, want_norms) + delays)
 
   return body
 
@@ -499,13 +519,14 @@ def _compile(body, r: _Rule, mesh, axis_name, backend, scan_steps, donate):
     # shard_map alone returns P(None, ...)), so the next call neither re-places
     # it nor compiles again.
     run = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec) + delay_specs,
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec, P()) + delay_specs,
                       out_specs=(P(), P())),
         out_shardings=(replicated, replicated), donate_argnums=donate_argnums)
     return run, replicated, NamedSharding(mesh, batch_spec)
   if len(mesh.axis_names) != 1:
     raise ValueError("The pmap backend needs a 1-D mesh; use backend='shard_map' for more axes.")
-  run = jax.pmap(body, axis_name, in_axes=(None, 0) + (None,) * len(delay_specs), out_axes=None,
+  run = jax.pmap(body, axis_name, in_axes=(None, 0, None) + (None,) * len(delay_specs),
+                 out_axes=None,
                  devices=list(mesh.devices.flat), donate_argnums=donate_argnums)
   return run, None, None
 
@@ -514,7 +535,13 @@ def _prepare_fn(r: _Rule, ids_def, scan_steps, backend, replicated, batch_shardi
   """Checks and places ``(state, batch, *delays)`` for the program."""
   batch_axis = 0 if scan_steps is None else 1
 
-  def prepare(state: CyclicState, batch, *delays_arg):
+  def prepare(state: CyclicState, batch, norms=True, *delays_arg):
+    want = np.asarray(norms, bool)
+    if want.shape not in ((), (scan_steps,)) or (scan_steps is None and want.shape):
+      raise ValueError(f"norms must be a bool{'' if scan_steps is None else f' or {scan_steps} bools'}"
+                       f", got shape {want.shape}.")
+    if scan_steps is not None:
+      want = np.broadcast_to(want, (scan_steps,))
     if jax.tree.structure(state.params) != ids_def:
       raise ValueError(
           "stage_ids do not match params: stage_ids must have the same tree structure "
@@ -539,13 +566,13 @@ def _prepare_fn(r: _Rule, ids_def, scan_steps, backend, replicated, batch_shardi
           f"batch of num_workers * per_worker_batch rows (worker i gets rows i*b:(i+1)*b).")
     if backend == "shard_map":
       return (_placed(state, replicated), _placed(batch, batch_sharding),
-              *(jax.device_put(d, replicated) for d in delays_arg))
+              *(jax.device_put(x, replicated) for x in (want,) + delays_arg))
     b = size // r.num_workers
 
     def split(x):  # [.., N*b, ..] -> [N, .., b, ..]: the pmap axis leads.
       x = jnp.asarray(x)
       shape = x.shape[:batch_axis] + (r.num_workers, b) + x.shape[batch_axis + 1:]
       return jnp.moveaxis(x.reshape(shape), batch_axis, 0)
-    return (state, jax.tree.map(split, batch), *delays_arg)
+    return (state, jax.tree.map(split, batch), want, *delays_arg)
 
   return prepare
