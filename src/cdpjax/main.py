@@ -63,9 +63,11 @@ def main(argv):
   who = f"process {processes.index}/{processes.count}: " if processes.count > 1 else ""
   try:
     summary = train.train_and_evaluate(config, _WORKDIR.value)
-  except train.TrainError as e:  # A user error or a diverged run: the message says what to do.
-    _fail(who + "\n".join([str(e), *getattr(e, "__notes__", [])]))
   except Exception as e:
+    if _names_the_fix(e) and not flags.FLAGS["verbosity"].present:
+      _fail(who + "\n".join([str(e), *getattr(e, "__notes__", [])]) +
+            ("" if isinstance(e, train.TrainError) else
+             "\n(--verbosity=0 shows where it was raised.)"))
     if processes.count == 1:
       raise
     raise RuntimeError(f"{who}{type(e).__name__}: {e}") from e
@@ -77,6 +79,17 @@ def main(argv):
         f"{summary['num_train_steps']}, with a checkpoint. Rerun the same command to resume "
         f"(exit status {train.EXIT_PREEMPTED}).\n")
     sys.exit(train.EXIT_PREEMPTED)
+
+
+def _names_the_fix(e: Exception) -> bool:
+  """A user error or a diverged run, whose message says what to do: no traceback.
+
+  cdpjax raises ValueError for bad input, with a message naming the fix; a
+  missing tfds dataset is a FileNotFoundError that says how to prepare it.
+  """
+  from cdpjax import train  # pylint: disable=g-import-not-at-top
+  return (isinstance(e, (train.TrainError, ValueError))
+          or type(e).__name__ == "DatasetNotPreparedError")
 
 
 def _fail(message: str):

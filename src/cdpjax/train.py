@@ -5,6 +5,12 @@ train step of ``config.parallelism`` (``data``: the update-rule engine;
 ``model``: the executed CDP+MP pipeline; ``zero``: the executed CDP+ZeRO
 ring), resumes from the newest checkpoint in ``workdir`` and trains, writing
 ``config.json``, ``metrics.jsonl``, TensorBoard events and ``summary.json``.
+
+Faults and misuse: the workdir is locked; a resume refuses a config change
+that would change the trajectory (``RESUMABLE_KEYS`` may change) and falls
+back past an unreadable checkpoint; only finite states are checkpointed; an
+error waits for the save in flight and names the newest checkpoint; SIGTERM
+and Ctrl-C checkpoint and stop (the launcher then exits ``EXIT_PREEMPTED``).
 """
 from __future__ import annotations
 
