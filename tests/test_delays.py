@@ -211,3 +211,44 @@ def test_dynamic_rules_need_the_engine(tmp_path):
     config_lib.validate(load_config("rule=random,parallelism=model,smoke"))
   with pytest.raises(ValueError, match="Unknown delay distribution"):
     config_lib.validate(load_config("rule=random,smoke", delay_distribution="zipf"))
+
+
+# The authors' final model.
+
+
+def test_mean_worker_view():
+  tx = optax.sgd(0.3)
+  params, stage_ids, batches = problem(3, seed=4)
+  mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule="cdp-v2", mesh=mesh)
+  state = engine.init_state(params, tx, rule="cdp-v2")
+  for batch in batches:
+    state, _ = step(state, batch)
+  delays = schedule.delay_matrix("cdp-v2", N, J)
+  views = engine.worker_views(state, stage_ids, delays)
+  for i in range(N):
+    for j in range(J):
+      assert_close(views[i][j], state.versions[delays[i, j]][j])
+  assert_close(engine.mean_worker_view(state, stage_ids, delays),
+               jax.tree.map(lambda *v: sum(v) / N, *views))
+  # cdp-v1: every worker holds theta_{t-1}; dp: theta_t.
+  assert_close(engine.mean_worker_view(state, stage_ids, np.ones((N, J), int)), state.stale_params[0])
+  assert_close(engine.mean_worker_view(state, stage_ids, np.zeros((N, J), int)), state.params)
+  with pytest.raises(ValueError, match="keeps 1 stale versions"):
+    engine.worker_views(state, stage_ids, np.full((N, J), 2))
+
+
+def test_trainer_exports_the_mean_view(tmp_path):
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  c = load_config("rule=cdp-v1,smoke", num_train_steps=2, final_mean_view=True)
+  summary = train.train_and_evaluate(c, str(tmp_path))
+  assert 0 <= summary["final_mean_view_accuracy"] <= 1
+  final = serialization.msgpack_restore((tmp_path / "final_params.msgpack").read_bytes())
+  mean_view = serialization.msgpack_restore((tmp_path / "final_mean_view.msgpack").read_bytes())
+  # For cdp-v1 the mean view is theta_{T-1}: theta_T of the same run one step shorter.
+  train.train_and_evaluate(load_config("rule=cdp-v1,smoke", num_train_steps=1,
+                                       final_mean_view=True), str(tmp_path / "one"))
+  previous = serialization.msgpack_restore((tmp_path / "one" / "final_params.msgpack").read_bytes())
+  jax.tree.map(np.testing.assert_array_equal, mean_view, previous)
+  assert any(not np.array_equal(a, b)
+             for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(mean_view)))

@@ -416,10 +416,37 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   summary = {"final_step": step, "num_train_steps": num_steps, "preempted": preempted,
              "wall_time_s": wall, "steps_per_second": (step - start) / wall if wall else 0.0,
              **{k.replace("eval/", "final_"): v for k, v in eval_metrics.items()}}
+  if c.final_mean_view and not preempted:
+    summary.update(export_final_models(c, state, runner.variables, model, sample, workdir,
+                                       lambda v: evaluate(v, dataset.eval_batches(
+                                           c.eval_batch_size, process_index=jax.process_index(),
+                                           process_count=jax.process_count()))))
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
   return summary
+
+
+def export_final_models(c, state, variables_of, model, sample, workdir, evaluate) -> dict:
+  """Evaluates and saves ``theta_T`` and the authors' final model, the mean worker view.
+
+  Writes ``final_params.msgpack`` (``theta_T``) and ``final_mean_view.msgpack``
+  (``engine.mean_worker_view``: for ``cdp-v1``, ``theta_{T-1}``) to ``workdir``
+  and returns the mean view's ``final_mean_view_accuracy`` and ``_loss``.
+  """
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  variables = variables_of(state)
+  stage_ids = model_stage_ids(c, model, variables["params"], sample)
+  rule = config_lib.delay_rule(c)
+  delays = (rule(int(jax.device_get(state.step))) if isinstance(rule, schedule.DelayRule)
+            else schedule.resolve(rule, c.num_workers, c.num_stages))
+  mean_view = {**variables, "params": engine.mean_worker_view(state, stage_ids, delays)}
+  if jax.process_index() == 0:
+    for name, tree in (("final_params", variables["params"]),
+                       ("final_mean_view", mean_view["params"])):
+      with open(os.path.join(workdir, f"{name}.msgpack"), "wb") as f:
+        f.write(serialization.to_bytes(jax.device_get(tree)))
+  return {k.replace("eval/", "final_mean_view_"): v for k, v in evaluate(mean_view).items()}
 
 
 def to_global(local_batch: dict, mesh) -> dict:
