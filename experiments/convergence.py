@@ -66,6 +66,10 @@ def main(argv=None) -> dict:
   p.add_argument("--num_steps", type=int, default=400)
   p.add_argument("--lr_fractions", default=",".join(map(str, LR_FRACTIONS)),
                  help="Learning rates as fractions of 2/L, comma-separated.")
+  p.add_argument("--async_steps", type=int, default=40,
+                 help="Steps of the event-by-event asynchronous and CDP-v2 simulations.")
+  p.add_argument("--async_workers", type=int, default=4)
+  p.add_argument("--async_stages", type=int, default=2)
   p.add_argument("--resolution", type=float, default=0.02,
                  help="Relative width at which the threshold bisection stops.")
   args = p.parse_args(argv)
@@ -129,7 +133,57 @@ def main(argv=None) -> dict:
   result["thresholds"] = thresholds(x, y, rows, names, mesh, args)
   _common.write_json(out / "thresholds.json", result["thresholds"])
   print(threshold_table(result["thresholds"]))
+  result["async"] = async_runs(x, y, f_star, lipschitz, args)
+  _common.write_json(out / "async.json", result["async"])
   return result
+
+
+def async_runs(x, y, f_star, lipschitz, args) -> dict:
+  """Asynchronous SGD (``simulate.simulate_async``) against CDP-v2 (``simulate``) on the problem.
+
+  Stage ``j`` adds ``x[:, rows_j] @ theta_j`` to the prediction, so the
+  event-by-event simulators run the same least squares as the engine. Each
+  worker's micro-batch is its fixed ``m / N`` rows (full-batch steps). The
+  simulators dispatch every stage op eagerly, so this runs at a smaller
+  ``N x J`` (``--async_workers``, ``--async_stages``) than the engine.
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from cdpjax import analysis, simulate  # pylint: disable=g-import-not-at-top
+  n, j = args.async_workers, args.async_stages
+  rows = split_rows(x.shape[1], j)
+  num_steps = 2 if args.quick else args.async_steps
+  fractions = [0.45] if args.quick else [0.25, 0.45, 0.75]  # Of 2/L.
+
+  def stage_fn(r):
+    return lambda theta, h: (h[0], h[1] + h[0][:, r] @ theta)
+
+  def micro_loss(out, target):
+    return 0.5 * jnp.mean(jnp.sum(jnp.square(out[1] - target), axis=1))
+
+  stage_fns = [stage_fn(r) for r in rows]
+  init = [np.zeros((r.stop - r.start, y.shape[1]), np.float32) for r in rows]
+  parts = list(zip(np.split(x, n), np.split(y, n)))
+  batches = [[((xi, np.zeros_like(yi)), yi) for xi, yi in parts]] * num_steps
+
+  def gap(stage_params):
+    return objective(x, y, np.concatenate([np.asarray(p, np.float64) for p in stage_params])) - f_star
+
+  runs = []
+  for fraction in fractions:
+    lr = 2 * fraction / lipschitz
+    a = simulate.simulate_async(stage_fns, micro_loss, init, optax.sgd(lr), batches)
+    c = simulate.simulate(stage_fns, micro_loss, init, optax.sgd(lr), batches, "cdp-v2")
+    runs.append({"lr_times_L": lr * lipschitz, "async_final_gap": gap(a.params),
+                 "cdp_v2_final_gap": gap(c.params), "initial_gap": gap(init)})
+    print(f"async vs cdp-v2, lr*L={lr * lipschitz:.2f}: gap {runs[-1]['async_final_gap']:.3e} vs "
+          f"{runs[-1]['cdp_v2_final_gap']:.3e} after {num_steps} steps", flush=True)
+  profile = analysis.async_profile(n, j, max(num_steps, 3), [r.stop - r.start for r in rows])
+  values, counts = np.unique(profile.async_staleness[1:], return_counts=True)
+  return {"num_workers": n, "num_stages": j, "num_steps": num_steps, "runs": runs,
+          "async_staleness_steps": dict(zip(map(float, values), map(int, counts))),
+          "cdp_v2_staleness_steps": {int(k): int(v) for k, v in zip(
+              *np.unique(profile.cdp_staleness[1:], return_counts=True))}}
 
 
 def threshold_rules(n: int, j: int, quick: bool) -> dict:
