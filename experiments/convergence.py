@@ -153,7 +153,7 @@ def async_runs(x, y, f_star, lipschitz, args) -> dict:
   n, j = args.async_workers, args.async_stages
   rows = split_rows(x.shape[1], j)
   num_steps = 2 if args.quick else args.async_steps
-  fractions = [0.45] if args.quick else [0.25, 0.45, 0.75]  # Of 2/L.
+  fractions = [0.45] if args.quick else [0.25, 0.45, 0.75, 1.0, 1.2]  # Of 2/L.
 
   def stage_fn(r):
     return lambda theta, h: (h[0], h[1] + h[0][:, r] @ theta)
