@@ -5,7 +5,9 @@ Worker ``i`` differentiates its micro-batch loss at its own mixed view
 all-reduce per stage (a flat bucket), and one optimizer update is applied to
 ``theta_t``. The state carries ``theta_t`` and the ``D`` stale versions the rule
 reads, so ``dp``, ``cdp-v1``, ``cdp-v2`` and any delay matrix with entries in
-``0..D`` are the same code.
+``0..D`` are the same code. A fixed matrix is a compile-time constant (a stage
+all workers read at one version needs no select); a ``schedule.DelayRule``'s
+per-step matrix is an input of the compiled step, so it may change every step.
 """
 from __future__ import annotations
 
