@@ -250,3 +250,8 @@ def test_trainer_exports_the_mean_view(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, mean_view, previous)
   assert any(not np.array_equal(a, b)
              for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(mean_view)))
+
+
+def test_fixed_rule_consumers_refuse_a_delay_rule():
+  with pytest.raises(ValueError, match=r"new delay matrix every step.*rule\(step\)"):
+    schedule.resolve(schedule.random_rule(N, J, 2), N, J)
