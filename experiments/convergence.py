@@ -11,9 +11,16 @@ worker a fixed ``m/N`` rows, so every step is a full-batch step) with ``dp``,
 Theory for a quadratic: synchronous GD is stable for ``lr < 2/L``; with every
 stage one step late (``cdp-v1``, PipeDream-2BW's delay) the iteration
 ``theta_{t+1} = theta_t - lr grad f(theta_{t-1})`` is stable only for
-``lr < 1/L``. Writes ``convergence.json`` and ``convergence.png``:
+``lr < 1/L``. Writes ``convergence.json`` and ``convergence.png``.
 
-  python experiments/convergence.py              # 7 learning rates x 400 steps
+It then measures each rule's divergence threshold on ``lr * L`` with the
+engine, by bisection (a run diverges when its loss grows over the second half
+of ``--num_steps`` steps), against ``cdpjax.stability``'s prediction from the
+same per-worker Hessians: the companion matrix for fixed delays (``dp``,
+``cdp-v1``, ``cdp-v2``, ``straggler``), a simulation of the same draws for the
+``random`` rules. Writes ``thresholds.json``:
+
+  python experiments/convergence.py              # 7 learning rates x 400 steps, thresholds
   python experiments/convergence.py --quick
 """
 from __future__ import annotations
@@ -59,9 +66,15 @@ def main(argv=None) -> dict:
   p.add_argument("--num_steps", type=int, default=400)
   p.add_argument("--lr_fractions", default=",".join(map(str, LR_FRACTIONS)),
                  help="Learning rates as fractions of 2/L, comma-separated.")
+  p.add_argument("--async_steps", type=int, default=40,
+                 help="Steps of the event-by-event asynchronous and CDP-v2 simulations.")
+  p.add_argument("--async_workers", type=int, default=4)
+  p.add_argument("--async_stages", type=int, default=2)
+  p.add_argument("--resolution", type=float, default=0.02,
+                 help="Relative width at which the threshold bisection stops.")
   args = p.parse_args(argv)
   if args.quick:
-    args.num_steps, args.lr_fractions = 5, "0.45,0.75"
+    args.num_steps, args.lr_fractions, args.resolution = 5, "0.45,0.75", 0.5
   n, j = args.num_workers, args.num_stages
   out = _common.results_dir(args)
   emulate_cpu_devices(n)
@@ -117,7 +130,162 @@ def main(argv=None) -> dict:
   _common.write_json(out / "convergence.json", result)
   plot(runs, fractions, out / "convergence.png", n, j)
   print(table(runs, fractions))
+  result["thresholds"] = thresholds(x, y, rows, names, mesh, args)
+  _common.write_json(out / "thresholds.json", result["thresholds"])
+  print(threshold_table(result["thresholds"]))
+  result["async"] = async_runs(x, y, f_star, lipschitz, args)
+  _common.write_json(out / "async.json", result["async"])
   return result
+
+
+def async_runs(x, y, f_star, lipschitz, args) -> dict:
+  """Asynchronous SGD (``simulate.simulate_async``) against CDP-v2 (``simulate``) on the problem.
+
+  Stage ``j`` adds ``x[:, rows_j] @ theta_j`` to the prediction, so the
+  event-by-event simulators run the same least squares as the engine. Each
+  worker's micro-batch is its fixed ``m / N`` rows (full-batch steps). The
+  simulators dispatch every stage op eagerly, so this runs at a smaller
+  ``N x J`` (``--async_workers``, ``--async_stages``) than the engine.
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from cdpjax import analysis, simulate  # pylint: disable=g-import-not-at-top
+  n, j = args.async_workers, args.async_stages
+  rows = split_rows(x.shape[1], j)
+  num_steps = 2 if args.quick else args.async_steps
+  fractions = [0.45] if args.quick else [0.25, 0.45, 0.75, 1.0, 1.2]  # Of 2/L.
+
+  def stage_fn(r):
+    return lambda theta, h: (h[0], h[1] + h[0][:, r] @ theta)
+
+  def micro_loss(out, target):
+    return 0.5 * jnp.mean(jnp.sum(jnp.square(out[1] - target), axis=1))
+
+  stage_fns = [stage_fn(r) for r in rows]
+  init = [np.zeros((r.stop - r.start, y.shape[1]), np.float32) for r in rows]
+  parts = list(zip(np.split(x, n), np.split(y, n)))
+  batches = [[((xi, np.zeros_like(yi)), yi) for xi, yi in parts]] * num_steps
+
+  def gap(stage_params):
+    return objective(x, y, np.concatenate([np.asarray(p, np.float64) for p in stage_params])) - f_star
+
+  runs = []
+  for fraction in fractions:
+    lr = 2 * fraction / lipschitz
+    a = simulate.simulate_async(stage_fns, micro_loss, init, optax.sgd(lr), batches)
+    c = simulate.simulate(stage_fns, micro_loss, init, optax.sgd(lr), batches, "cdp-v2")
+    runs.append({"lr_times_L": lr * lipschitz, "async_final_gap": gap(a.params),
+                 "cdp_v2_final_gap": gap(c.params), "initial_gap": gap(init)})
+    print(f"async vs cdp-v2, lr*L={lr * lipschitz:.2f}: gap {runs[-1]['async_final_gap']:.3e} vs "
+          f"{runs[-1]['cdp_v2_final_gap']:.3e} after {num_steps} steps", flush=True)
+  profile = analysis.async_profile(n, j, max(num_steps, 3), [r.stop - r.start for r in rows])
+  values, counts = np.unique(profile.async_staleness[1:], return_counts=True)
+  return {"num_workers": n, "num_stages": j, "num_steps": num_steps, "runs": runs,
+          "async_staleness_steps": dict(zip(map(float, values), map(int, counts))),
+          "cdp_v2_staleness_steps": {int(k): int(v) for k, v in zip(
+              *np.unique(profile.cdp_staleness[1:], return_counts=True))}}
+
+
+def threshold_rules(n: int, j: int, quick: bool) -> dict:
+  """The rules whose thresholds are measured: name -> rule for the engine."""
+  from cdpjax import schedule  # pylint: disable=g-import-not-at-top
+  rules = {name: name for name in RULES}
+  if quick:
+    return {"cdp-v1": "cdp-v1", "random uniform D=2": schedule.random_rule(n, j, 2)}
+  rules.update({
+      "random uniform D=2": schedule.random_rule(n, j, 2),
+      "random geometric D=2": schedule.random_rule(n, j, 2, distribution="geometric"),
+      "random uniform D=4": schedule.random_rule(n, j, 4),
+      "straggler D=2": schedule.straggler_rule(n, j, 2),
+      "straggler D=4": schedule.straggler_rule(n, j, 4),
+  })
+  return rules
+
+
+def diverges(losses) -> bool:
+  """Non-finite, or the loss's peaks in the last quarter exceed those of the second."""
+  losses = np.asarray(losses, np.float64)
+  quarter = len(losses) // 4
+  if not np.all(np.isfinite(losses)):
+    return True
+  return bool(losses[3 * quarter:].max() > losses[quarter:2 * quarter].max())
+
+
+def thresholds(x, y, rows, names, mesh, args) -> list:
+  """Per rule: predicted and measured largest stable ``lr * L``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from cdpjax import engine, schedule, stability  # pylint: disable=g-import-not-at-top
+  n, j = args.num_workers, args.num_stages
+  x64 = x.astype(np.float64)
+  hessians = np.stack([xi.T @ xi / len(xi) for xi in np.split(x64, n)])
+  stage_of_coord = np.concatenate([[s] * (r.stop - r.start) for s, r in enumerate(rows)])
+  big_l = stability.lipschitz(hessians)
+  chunk = min(25, args.num_steps)
+  num_steps = args.num_steps // chunk * chunk
+  stacked = {"x": np.stack([x] * chunk), "y": np.stack([y] * chunk)}
+  sgd = optax.inject_hyperparams(optax.sgd)
+  init = {name: np.zeros((r.stop - r.start, y.shape[1]), np.float32) for r, name in zip(rows, names)}
+
+  def loss_fn(params, b):
+    pred = sum(b["x"][:, r] @ params[name] for r, name in zip(rows, names))
+    return 0.5 * jnp.mean(jnp.sum(jnp.square(pred - b["y"]), axis=1))
+
+  out = []
+  for label, rule in threshold_rules(n, j, args.quick).items():
+    if isinstance(rule, schedule.DelayRule) and label.startswith("random"):
+      predicted = stability.random_rule_limit(hessians, stage_of_coord, rule, num_steps=num_steps)
+      how = "simulated recursion, same draws"
+    else:
+      matrix = rule(0) if isinstance(rule, schedule.DelayRule) else schedule.delay_matrix(rule, n, j)
+      predicted = stability.stability_limit(hessians, stage_of_coord, matrix)
+      how = "companion matrix"
+    step = engine.make_train_step(loss_fn, sgd(learning_rate=0.0), rule=rule, mesh=mesh,
+                                  stage_ids={name: s for s, name in enumerate(names)},
+                                  scan_steps=chunk)
+
+    def unstable(lr_times_l):
+      state = engine.init_state(init, sgd(learning_rate=lr_times_l / big_l), rule=rule)
+      losses = []
+      for _ in range(num_steps // chunk):
+        state, metrics = step(state, stacked)
+        losses.extend(np.asarray(jax.device_get(metrics["loss"]), np.float64))
+        if not np.isfinite(losses[-1]) or losses[-1] > 1e8 * losses[0]:
+          return True
+      return diverges(losses)
+
+    lo, hi = 0.8 * predicted, 1.25 * predicted
+    while unstable(lo):
+      lo, hi = 0.8 * lo, lo
+    while not unstable(hi):
+      lo, hi = hi, 1.25 * hi
+    probes = 2
+    while (hi - lo) / hi > args.resolution:
+      mid = 0.5 * (lo + hi)
+      lo, hi = (lo, mid) if unstable(mid) else (mid, hi)
+      probes += 1
+    mean_limit = None
+    if isinstance(rule, schedule.DelayRule) and label.startswith("random"):
+      probs = schedule.delay_probabilities(label.split()[1], rule.max_delay)
+      mean_limit = stability.mean_delay_limit(probs)
+    row = {"rule": label, "predicted": predicted, "prediction": how, "stable_up_to": lo,
+           "diverges_from": hi, "agrees": bool(lo * (1 - args.resolution) <= predicted
+                                               <= hi * (1 + args.resolution)),
+           "expected_iterate_limit": mean_limit, "probes": probes, "num_steps": num_steps}
+    print(f"{label:22s} predicted {predicted:.3f}  measured ({lo:.3f}, {hi:.3f})", flush=True)
+    out.append(row)
+  return out
+
+
+def threshold_table(rows) -> str:
+  lines = ["| rule | predicted lr·L limit | how | measured: stable at | diverges at | agrees |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['rule']} | {r['predicted']:.3f} | {r['prediction']} | "
+                 f"{r['stable_up_to']:.3f} | {r['diverges_from']:.3f} | "
+                 f"{'yes' if r['agrees'] else 'no'} |")
+  return "\n".join(lines)
 
 
 def stability_limits(runs) -> dict:

@@ -36,6 +36,18 @@ def test_convergence(tmp_path):
   (small,) = {lr for _, lr in runs if lr < 1}
   for rule in ("dp", "cdp-v1", "cdp-v2"):  # Below 1/L every rule descends.
     assert runs[(rule, small)]["gaps"][-1] < runs[(rule, small)]["gaps"][0]
+  saved = json.loads((tmp_path / "thresholds.json").read_text())
+  assert [r["rule"] for r in saved] == ["cdp-v1", "random uniform D=2"]
+  assert all(0 < r["stable_up_to"] < r["diverges_from"] for r in saved)
+  assert saved[0]["predicted"] == pytest.approx(1.0, abs=1e-3)  # lr * L < 1 for one step of delay.
+
+
+def test_delays(tmp_path):
+  result = _script("delays").main(["--quick", "--results_dir", str(tmp_path)])
+  assert (tmp_path / "delays.png").stat().st_size > 0
+  saved = json.loads((tmp_path / "delays.json").read_text())
+  assert saved["runs"][0]["steps"] == 4 and set(saved["table"]) == {"random:geometric:2"}
+  assert 0 <= result["table"]["random:geometric:2"]["mean"] <= 1
 
 
 def test_accuracy_digits(tmp_path):

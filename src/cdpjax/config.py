@@ -92,6 +92,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.warmup_epochs = 0.0
 
   c.seed = 0
+  # Also evaluate and save the authors' final model (the mean over workers of
+  # each worker's view; parallelism=data) next to theta_T.
+  c.final_mean_view = False
   c.log_every_steps = 10
   c.eval_every_steps = 100
   c.checkpoint_every_steps = 200
@@ -118,6 +121,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
           f"rule={c.rule!r} changes the delays every step, which only the update-rule engine "
           "runs: use --config.parallelism=data.")
     delay_rule(c)  # Raises on a bad max_delay, distribution or straggler count.
+  if c.final_mean_view and c.parallelism != "data":
+    raise ValueError("--config.final_mean_view reads the engine's parameter versions: use "
+                     "--config.parallelism=data.")
   for key, valid in (("parallelism", PARALLELISMS), ("backend", BACKENDS),
                      ("lr_schedule", LR_SCHEDULES), ("stage_strategy", STAGE_STRATEGIES)):
     if c[key] not in valid:

@@ -5,7 +5,9 @@ Worker ``i`` differentiates its micro-batch loss at its own mixed view
 all-reduce per stage (a flat bucket), and one optimizer update is applied to
 ``theta_t``. The state carries ``theta_t`` and the ``D`` stale versions the rule
 reads, so ``dp``, ``cdp-v1``, ``cdp-v2`` and any delay matrix with entries in
-``0..D`` are the same code.
+``0..D`` are the same code. A fixed matrix is a compile-time constant (a stage
+all workers read at one version needs no select); a ``schedule.DelayRule``'s
+per-step matrix is an input of the compiled step, so it may change every step.
 """
 from __future__ import annotations
 
@@ -243,6 +245,37 @@ def _norms(want, grads, params, stage_of_leaf, num_stages: int) -> dict:
             "param_norm": nan}
 
   return jax.lax.cond(want, compute, skip, grads, params)
+
+
+def worker_views(state: CyclicState, stage_ids, delays) -> list:
+  """Each worker's model: stage ``j`` of worker ``i`` is ``theta^j_{t - d[i, j]}``.
+
+  These are the models the ranks of the authors' code hold at the end of
+  training (a stale stage holds the previous version). ``delays`` is the
+  ``(N, J)`` matrix of the step that would come next (``rule(t)`` for a
+  ``schedule.DelayRule``, the rule's matrix otherwise).
+  """
+  delays = np.asarray(delays)
+  if delays.max(initial=0) > len(state.stale_params):
+    raise ValueError(
+        f"delays reach {delays.max()} but the state keeps {len(state.stale_params)} stale "
+        "versions: pass the delay matrix of the rule the state was built for.")
+  versions = state.versions
+  return [jax.tree.map(lambda s, *vs, row=row: vs[int(row[s])], stage_ids, *versions)
+          for row in delays]
+
+
+def mean_worker_view(state: CyclicState, stage_ids, delays):
+  """The authors' final model: the mean over workers of ``worker_views``.
+
+  For ``cdp-v1`` it is ``theta_{t-1}``; for ``dp`` it is ``theta_t``.
+  """
+  delays = np.asarray(delays)
+  weights = [np.mean(delays == k, axis=0) for k in range(1 + len(state.stale_params))]
+
+  def mix(stage, *versions):  # Sum over versions k of (share of workers reading k) * theta_k.
+    return sum(float(w[stage]) * v for w, v in zip(weights, versions) if w[stage])
+  return jax.tree.map(mix, stage_ids, *state.versions)
 
 
 def _placed(tree, sharding):

@@ -83,6 +83,10 @@ def validate_delay_matrix(delays, num_workers: int, num_stages: int) -> np.ndarr
 
 def resolve(rule, num_workers: int, num_stages: int) -> np.ndarray:
   """``delay_matrix`` for a rule name, ``validate_delay_matrix`` for an array."""
+  if isinstance(rule, DelayRule):
+    raise ValueError(
+        f"{rule.name} gives a new delay matrix every step, which only cdpjax.engine runs; "
+        "take one step's matrix with rule(step), or use a fixed rule here.")
   if isinstance(rule, str):
     return delay_matrix(rule, num_workers, num_stages)
   return validate_delay_matrix(rule, num_workers, num_stages)

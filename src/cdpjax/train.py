@@ -573,6 +573,8 @@ class _Run(NamedTuple):
   lr: optax.Schedule
   num_steps: int
   global_batch: int
+  model: Any
+  sample: Any
 
 
 def _build(c) -> _Run:
@@ -592,7 +594,8 @@ def _build(c) -> _Run:
   variables = dict(jax.jit(lambda k: model.init(k, sample, train=False))(init_key))
   mesh = make_mesh(c)
   runner = build_runner(c, model, tx, variables, sample, mesh)
-  return _Run(dataset, mesh, runner, make_eval_fn(model, mesh), lr, num_steps, global_batch)
+  return _Run(dataset, mesh, runner, make_eval_fn(model, mesh), lr, num_steps, global_batch,
+              model, sample)
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -656,7 +659,7 @@ def _train_locked(c, workdir: str) -> dict:
       return json.load(f)
   log = MetricsLog(workdir, start)
   try:
-    summary = _loop(c, run, state, start, checkpointer, log)
+    summary, state = _loop(c, run, state, start, checkpointer, log)
   except BaseException as e:
     where = checkpointer.finish_after_error()
     if isinstance(e, Exception):
@@ -665,14 +668,21 @@ def _train_locked(c, workdir: str) -> dict:
   finally:
     log.close()
   checkpointer.close()
+  if c.final_mean_view and not summary["preempted"]:
+    summary.update(export_final_models(
+        c, state, run.runner.variables, run.model, run.sample, workdir,
+        lambda v: run.evaluate(v, run.dataset.eval_batches(
+            c.eval_batch_size, process_index=jax.process_index(),
+            process_count=jax.process_count()))))
   if jax.process_index() == 0:
     with open(summary_path, "w") as f:
       json.dump(summary, f, indent=2)
   return summary
 
 
-def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer, log: MetricsLog) -> dict:
-  """Steps ``start`` to ``num_steps``; returns the summary."""
+def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
+          log: MetricsLog) -> tuple[dict, Any]:
+  """Steps ``start`` to ``num_steps``; returns the summary and the last state."""
   dataset, mesh, runner, num_steps = run.dataset, run.mesh, run.runner, run.num_steps
   batches = dataset.train_batches(run.global_batch, seed=c.seed, start_step=start,
                                   process_index=jax.process_index(),
@@ -744,7 +754,29 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer, log: Metr
   # final_* only for an evaluation of the final parameters; otherwise say which step.
   prefix = "final_" if eval_step == step else "eval_"
   summary.update({k.replace("eval/", prefix): v for k, v in eval_metrics.items()})
-  return summary
+  return summary, state
+
+
+def export_final_models(c, state, variables_of, model, sample, workdir, evaluate) -> dict:
+  """Evaluates and saves ``theta_T`` and the authors' final model, the mean worker view.
+
+  Writes ``final_params.msgpack`` (``theta_T``) and ``final_mean_view.msgpack``
+  (``engine.mean_worker_view``: for ``cdp-v1``, ``theta_{T-1}``) to ``workdir``
+  and returns the mean view's ``final_mean_view_accuracy`` and ``_loss``.
+  """
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  variables = variables_of(state)
+  stage_ids = model_stage_ids(c, model, variables["params"], sample)
+  rule = config_lib.delay_rule(c)
+  delays = (rule(int(jax.device_get(state.step))) if isinstance(rule, schedule.DelayRule)
+            else schedule.resolve(rule, c.num_workers, c.num_stages))
+  mean_view = {**variables, "params": engine.mean_worker_view(state, stage_ids, delays)}
+  if jax.process_index() == 0:
+    for name, tree in (("final_params", variables["params"]),
+                       ("final_mean_view", mean_view["params"])):
+      with open(os.path.join(workdir, f"{name}.msgpack"), "wb") as f:
+        f.write(serialization.to_bytes(jax.device_get(tree)))
+  return {k.replace("eval/", "final_mean_view_"): v for k, v in evaluate(mean_view).items()}
 
 
 def to_global(local_batch: dict, mesh) -> dict:
