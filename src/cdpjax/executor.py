@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -138,6 +139,8 @@ def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule,
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   def init(params, model_state=None):
+    # A copy: the step donates the state, which must not delete the caller's arrays.
+    model_state = jax.tree.map(jnp.array, model_state)
     return jax.device_put(engine.init_state(params, tx, rule=rule, model_state=model_state),
                           replicated)
 
@@ -152,3 +155,57 @@ def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule,
   return Executor(init=init, step=step,
                   variables=lambda s: {"params": s.params, **(s.model_state or {})},
                   lower=lower, plan=plan)
+
+
+def _staged(model, params, model_state, stage_ids, sample_input, loss_fn, pad_to=1):
+  from cdpjax.executed import staged  # pylint: disable=g-import-not-at-top
+  return staged.stage_model(model, params, stage_ids, sample_input, model_state=model_state,
+                            loss_fn=loss_fn, pad_to=pad_to)
+
+
+def pipeline_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
+                      loss_fn: Callable, **_) -> Executor:
+  """The executed pipeline (``cdpjax.executed.pipeline``) of ``model`` cut at ``stage_ids``."""
+  from cdpjax.executed import pipeline  # pylint: disable=g-import-not-at-top
+  staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn)
+  return pipeline.make_train_step(staged, tx, rule=rule, mesh=mesh)
+
+
+def zero_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
+                  loss_fn: Callable, **_) -> Executor:
+  """Executed CDP-ZeRO or ZeRO-3 (``cdpjax.executed.zero``) of ``model`` cut at ``stage_ids``."""
+  from cdpjax.executed import zero  # pylint: disable=g-import-not-at-top
+  staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn,
+                   pad_to=int(mesh.shape["data"]))
+  return zero.make_train_step(staged, tx, rule=rule, mesh=mesh)
+
+
+EXECUTORS = {"data": engine_executor, "model": pipeline_executor, "zero": zero_executor}
+"""``parallelism -> factory``; every factory takes the arguments of `build`."""
+
+
+def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, model_state,
+          stage_ids, sample_input, rule, mesh, loss_fn: Callable,
+          backend: str = "shard_map") -> Executor:
+  """The executor of ``parallelism`` for a flax ``model`` cut into stages by ``stage_ids``.
+
+  Args:
+    parallelism: ``data`` (the engine), ``model`` (the executed pipeline) or
+      ``zero`` (executed CDP-ZeRO).
+    model: a flax module called as ``model.apply(variables, x, train=...)``.
+    tx: the optimizer (elementwise for ``model`` and ``zero``).
+    params: ``variables["params"]``, to lay out the stages.
+    model_state: the other variable collections, or None.
+    stage_ids: an int stage per parameter leaf (`cdpjax.stages`).
+    sample_input: an input batch, to trace the model's execution order.
+    rule: a name of ``schedule.RULES`` or a delay matrix.
+    mesh: the mesh of ``parallelism`` (axis ``data``, or ``stage`` for ``model``).
+    loss_fn: ``loss_fn(outputs, labels)`` of the model's outputs.
+    backend: the engine's backend (``shard_map`` or ``pmap``).
+  """
+  if parallelism not in EXECUTORS:
+    raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
+  return EXECUTORS[parallelism](
+      model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
+      sample_input=sample_input, rule=rule, mesh=mesh, loss_fn=loss_fn, backend=backend,
+      with_model_state=model_state is not None)

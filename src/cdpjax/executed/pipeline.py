@@ -66,7 +66,7 @@ class StagedState(NamedTuple):
     params: ``theta_t``, ``[J, P]`` (flat stages, `staged`).
     stale_params: ``(theta_{t-1}, ..., theta_{t-D})``, each ``[J, P]``.
     opt_state: the optax state of each stage, stacked on the stage axis.
-    model_state: ``[J, M]``, each stage's model state (``M = 0`` without one).
+    model_state: ``[J, M]``, each stage's model state; None for a model without one.
   """
   step: jax.Array
   params: Any
@@ -91,7 +91,7 @@ def replicated(x):
 def variables(state, staged: StagedModel) -> dict:
   """``theta_t`` and the model state as flax variables (evaluation, checkpoints)."""
   return staged.unpack(jax.device_get(replicated(state.params)),
-                       jax.device_get(replicated(state.model_state)))
+                       jax.device_get(jax.tree.map(replicated, state.model_state)))
 
 
 def _stage_axis_size(mesh: Mesh) -> int:
@@ -128,7 +128,7 @@ def init_state(staged: StagedModel, params, tx: optax.GradientTransformation, *,
   params_JxP, state_JxM = (jnp.asarray(a) for a in staged.pack(params, model_state))
   stale = tuple(jnp.array(params_JxP) for _ in range(schedule.max_delay(rule)))
   state = StagedState(jnp.zeros((), jnp.int32), params_JxP, stale, jax.vmap(tx.init)(params_JxP),
-                      state_JxM)
+                      state_JxM if staged.state_size else None)
   return jax.device_put(state, _state_sharding(mesh, state))
 
 
@@ -285,7 +285,8 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     act = staged.act_size(jax.ShapeDtypeStruct(x_KxMx.shape[2:], x.dtype))
     stash_size = max(tt.num_stages - 1, 1) if tt.name == "cyclic" else tt.per_replica
     zeros_K = jnp.zeros((tt.num_steps,), jnp.float32)
-    model_state = local(state.model_state)
+    model_state = (jnp.zeros((0,), jnp.float32) if state.model_state is None
+                   else local(state.model_state))
     carry = _Slot(
         versions_VxP=jnp.stack(local(state.versions)), head=jnp.zeros((), jnp.int32),
         opt_state=local(state.opt_state), model_state_M=model_state,
@@ -302,7 +303,7 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     glob = lambda tree: jax.tree.map(lambda a: a[None], tree)
     new_state = StagedState(state.step + tt.num_steps, glob(versions[0]),
                             tuple(glob(v) for v in versions[1:]), glob(carry.opt_state),
-                            glob(carry.model_state_M))
+                            None if state.model_state is None else glob(carry.model_state_M))
     lead = (None,) * len(tt.axes)
     return new_state, (carry.loss_K[lead], carry.grad_sq_K[lead], carry.param_sq_K[lead])
 

@@ -144,7 +144,7 @@ class StagedModel:
     params, state = {}, {c: {} for c in self.collections}
     for j, units in enumerate(self.units):
       params.update(self._param_layouts[j].unpack(params_JxP[j]))
-      if self.collections:
+      if self.state_size:
         for c, tree in self._state_layouts[j].unpack(np.asarray(state_JxM)[j]).items():
           state[c].update(tree)
     return {"params": params, **state}

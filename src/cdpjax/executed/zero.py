@@ -109,15 +109,18 @@ def init_state(staged: StagedModel, params, tx: optax.GradientTransformation, *,
       step=jnp.zeros((), jnp.int32), params=rows,
       stale_params=tuple(jnp.array(rows) for _ in range(schedule.max_delay(rule))),
       opt_state=jax.vmap(tx.init)(rows),
-      model_state=jnp.asarray(_owner_rows(state_JxM, num_workers)))
+      model_state=jnp.asarray(_owner_rows(state_JxM, num_workers)) if staged.state_size else None)
   return jax.device_put(state, _shardings(state, mesh, "cyclic"))
 
 
 def variables(state: StagedState, staged: StagedModel) -> dict:
   """``theta_t`` and the model state as flax variables."""
   num = staged.num_stages
+  model_state = None
+  if state.model_state is not None:
+    model_state = _owner_rows(np.asarray(jax.device_get(replicated(state.model_state))), num)
   return staged.unpack(_owner_rows(np.asarray(jax.device_get(replicated(state.params))), num),
-                       _owner_rows(np.asarray(jax.device_get(replicated(state.model_state))), num))
+                       model_state)
 
 
 def _specs(state: StagedState, timetable: str):
@@ -131,7 +134,7 @@ def _specs(state: StagedState, timetable: str):
       return P(AXIS)
     return P(None, AXIS) if np.shape(leaf) == row_shape else P()
   specs = jax.tree.map(spec, state)
-  if timetable == "zero3":  # Model states are replicated, even when shaped like the params.
+  if timetable == "zero3" and state.model_state is not None:  # Replicated, whatever its shape.
     specs = specs._replace(model_state=P())
   return specs
 
@@ -178,7 +181,9 @@ def _cyclic_body(staged: StagedModel, tx, delays):
     x, y = batch["image"], batch["label"]
     act = staged.act_size(jax.ShapeDtypeStruct(x.shape, x.dtype))
     # A stage buffer: its parameters (a version), then its model state.
-    versions = [jnp.concatenate([v[0], state.model_state[0]])
+    own_state = (jnp.zeros((0,), jnp.float32) if state.model_state is None
+                 else state.model_state[0])
+    versions = [jnp.concatenate([v[0], own_state])
                 for v in (state.params,) + tuple(state.stale_params)]
     zeros_buf = vary(jnp.zeros((size_p + size_m,), jnp.float32), axes)
     h = cot = vary(jnp.zeros((act,), jnp.float32), axes)
@@ -251,7 +256,8 @@ def _cyclic_body(staged: StagedModel, tx, delays):
 
     grads = acc[:size_p] / num_workers
     updates, opt_state = jax.vmap(tx.update)(grads[None], state.opt_state, state.params)
-    new = _advance(state, updates, opt_state, (acc[size_p:] / num_workers)[None])
+    new = _advance(state, updates, opt_state,
+                   None if state.model_state is None else (acc[size_p:] / num_workers)[None])
     # Squared norms of the owned stage, at its column of the stage-order vector.
     mine = jax.nn.one_hot(num_stages - 1 - me, num_stages, dtype=jnp.float32)
     metrics = _metrics_row(carry[4] / num_workers, mine * jnp.sum(jnp.square(grads)),
@@ -288,25 +294,27 @@ def _zero3_body(staged: StagedModel, tx, delays):
       return view
 
     versions = (state.params,) + tuple(state.stale_params)  # Each [N, P/N].
+    states = (jnp.zeros((num_stages, 0), jnp.float32) if state.model_state is None
+              else state.model_state)
     act = staged.act_size(jax.ShapeDtypeStruct(x.shape, x.dtype))
     h = vary(jnp.zeros((act,), jnp.float32), (AXIS,))
     stash, new_states = [], []
     for j in range(num_stages):
       stash.append(h)
       h, loss, new_state = staged.apply(j, gather(versions, j),
-                                        state.model_state[owner(j, num_stages)], h, x, y)
+                                        states[owner(j, num_stages)], h, x, y)
       new_states.append(new_state)
     cot = jnp.zeros_like(h)
     grads = [None] * num_workers
     for j in reversed(range(num_stages)):
       after = loss if j == num_stages - 1 else cot[0]
       grad, cot = staged.vjp(j, gather(versions, j, after),
-                             state.model_state[owner(j, num_stages)], stash[j], x, y, cot)
+                             states[owner(j, num_stages)], stash[j], x, y, cot)
       grads[owner(j, num_stages)] = jax.lax.psum_scatter(grad, AXIS, tiled=True) / num_workers
     grads = jnp.stack(grads)
     updates, opt_state = jax.vmap(tx.update)(grads, state.opt_state, state.params)
     model_state = state.model_state
-    if staged.state_size:
+    if model_state is not None:
       model_state = jax.lax.pmean(jnp.stack(new_states[::-1]), AXIS)
     new = _advance(state, updates, opt_state, model_state)
     metrics = _metrics_row(loss / num_workers, jnp.sum(jnp.square(grads), axis=1)[::-1],
