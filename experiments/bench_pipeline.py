@@ -110,7 +110,7 @@ def measure(schedule, num_stages, args, staged, params, batch):
     mesh = jax.make_mesh((num_stages, num_stages), ("data", "stage"))
   else:
     mesh = jax.make_mesh((num_stages,), ("stage",))
-  tx = optax.sgd(0.2, momentum=0.9)
+  tx = optax.sgd(0.1, momentum=0.9)  # tests/test_pipeline.py's, so --quick reuses its compiles.
   rule = RULES[schedule]
   ex = pipeline.make_train_step(staged, tx, rule=rule, mesh=mesh, timetable=schedule,
                                 scan_steps=args.steps_per_call)
@@ -181,9 +181,9 @@ def resnet_padding(args) -> list[dict]:
   boundary activation) to the largest. Read from the layout: nothing compiles
   but the per-unit FLOP counts.
   """
-  width, image = (4, 8) if args.quick else (64, 32)
+  width, image, channels = (4, 8, 1) if args.quick else (64, 32, 3)
   model = models.create_model("resnet18", 10, width=width, stem="cifar")
-  sample = jnp.zeros((1, image, image, 3))
+  sample = jnp.zeros((1, image, image, channels))
   variables = model.init(jax.random.key(0), sample, train=False)
   out = []
   for num_stages in args.stages:
@@ -191,8 +191,8 @@ def resnet_padding(args) -> list[dict]:
                                        strategy="flops", train=False)
     staged = staged_lib.stage_model(model, variables["params"], stage_ids, sample,
                                     model_state={"batch_stats": variables["batch_stats"]})
-    x_spec = jax.ShapeDtypeStruct((args.per_micro, image, image, 3), jnp.float32)
-    out.append({"model": f"resnet18 width {width}, {image}x{image}x3", "num_stages": num_stages,
+    x_spec = jax.ShapeDtypeStruct((args.per_micro, image, image, channels), jnp.float32)
+    out.append({"model": f"resnet18 width {width}, {image}x{image}x{channels}", "num_stages": num_stages,
                 "per_micro": args.per_micro, **staged_lib.padding_report(staged, x_spec)})
   print("ResNet-18 padding: " + ", ".join(
       f"J={r['num_stages']}: params x{r['param_padding_ratio']:.2f}" for r in out))

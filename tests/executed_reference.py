@@ -25,7 +25,7 @@ def make_tx(name):
 
 @functools.cache
 def model_of(name, num_stages):
-  """``(model, params, model_state, stage_ids)``; stages by FLOPs for the ResNet."""
+  """``(model, params, model_state, stage_ids)``: equal blocks per stage, or by FLOPs (ResNet)."""
   if name == "residual_mlp":
     model = models.create_model(name, 10, width=8, hidden=16, num_blocks=4)
   else:
@@ -34,9 +34,13 @@ def model_of(name, num_stages):
   variables = model.init(jax.random.key(0), sample, train=False)
   params = variables["params"]
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
-  strategy = "params" if name == "residual_mlp" else "flops"
-  stage_ids = stages.model_stage_ids(model, params, num_stages, sample, strategy=strategy,
-                                     train=False)
+  if name == "residual_mlp":
+    stage_ids = stages.model_stage_ids(
+        model, params, num_stages, sample, strategy="boundaries", train=False,
+        boundaries=[f"block_{s * 4 // num_stages}" for s in range(1, num_stages)])
+  else:
+    stage_ids = stages.model_stage_ids(model, params, num_stages, sample, strategy="flops",
+                                       train=False)
   return model, params, model_state, stage_ids
 
 
