@@ -3,6 +3,7 @@
 Run:
   /work/venv/bin/python experiments/bench_pipeline.py              # J in {2, 4, 8}
   /work/venv/bin/python experiments/bench_pipeline.py --quick      # J = 2, tiny, seconds
+  /work/venv/bin/python experiments/bench_pipeline.py --compile_sweep 2,4,8,16  # compile vs J
 
 For each J (N = J micro-batches, one block per stage by default) it compiles
 the cyclic schedule (cdp-v2), GPipe (dp) and DP+MP (dp, N*J devices) and
@@ -16,10 +17,12 @@ FLOPs (``padding``). Results go to ``<results_dir>/bench_pipeline.json``
 """
 from __future__ import annotations
 
+import time
+
 import _common
 from cdpjax import distributed  # (imports no JAX)
 
-distributed.emulate_cpu_devices(8)
+distributed.emulate_cpu_devices(16)  # J = 16 in --compile_sweep.
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # noqa: E402
@@ -27,7 +30,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from cdpjax import compiled, models, stages  # noqa: E402
-from cdpjax.executed import pipeline, plan  # noqa: E402
+from cdpjax.executed import pipeline, plan, zero  # noqa: E402
 from cdpjax.executed import staged as staged_lib  # noqa: E402
 from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
 
@@ -43,6 +46,9 @@ def parse(argv=None):
   parser.add_argument("--per_micro", type=int, default=32, help="rows b of one micro-batch")
   parser.add_argument("--steps_per_call", type=int, default=4, help="K steps per compiled call")
   parser.add_argument("--timed_calls", type=int, default=20)
+  parser.add_argument("--compile_sweep", default="",
+                      help="comma-separated J values: only compile time and program size of "
+                           "the cyclic pipeline and the cyclic ZeRO step (cdp-v2)")
   args = parser.parse_args(argv)
   if args.quick:
     # The shapes of tests/test_pipeline.py, whose compiles the smoke test then reuses.
@@ -50,6 +56,7 @@ def parse(argv=None):
     args.blocks_per_stage = 2
     args.steps_per_call, args.timed_calls = 2, 2
   args.stages = [int(s) for s in args.stages.split(",")]
+  args.compile_sweep = [int(s) for s in args.compile_sweep.split(",") if s]
   return args
 
 
@@ -199,8 +206,55 @@ def resnet_padding(args) -> list[dict]:
   return out
 
 
+def compile_sweep(args) -> list[dict]:
+  """Seconds to lower and compile, and program sizes, of both cyclic executors against J.
+
+  The model is the residual MLP with ``blocks_per_stage`` blocks per stage, one
+  step per call (``scan_steps`` = 1 for the pipeline).
+  """
+  rows = []
+  for num_stages in args.compile_sweep:
+    if num_stages > jax.device_count():
+      print(f"compile sweep: J={num_stages} needs {num_stages} devices; skipped.")
+      continue
+    model = ResidualMLP(num_classes=10, width=args.width, hidden=args.hidden,
+                        num_blocks=num_stages * args.blocks_per_stage)
+    sample = jnp.zeros((1, 8, 8, 1))
+    params = model.init(jax.random.key(0), sample)["params"]
+    stage_ids = stages.model_stage_ids(
+        model, params, num_stages, sample, strategy="boundaries",
+        boundaries=[f"block_{s * args.blocks_per_stage}" for s in range(1, num_stages)])
+    staged = staged_lib.stage_model(model, params, stage_ids, sample, pad_to=num_stages)
+    rng = np.random.default_rng(0)
+    rows_n = num_stages * args.per_micro
+    batch = {"image": rng.normal(size=(rows_n, 8, 8, 1)).astype(np.float32),
+             "label": rng.integers(0, 10, size=(rows_n,)).astype(np.int32)}
+    tx = optax.sgd(0.1, momentum=0.9)
+    for name, make, axis in (("pipeline", pipeline.make_train_step, "stage"),
+                             ("zero", zero.make_train_step, "data")):
+      ex = make(staged, tx, rule="cdp-v2", mesh=jax.make_mesh((num_stages,), (axis,)))
+      state = ex.init(params)
+      start = time.perf_counter()
+      lowered = ex.lower(state, batch)
+      lower_s = time.perf_counter() - start
+      start = time.perf_counter()
+      exe = lowered.compile()
+      rows.append({"executor": name, "num_stages": num_stages, "lower_s": round(lower_s, 2),
+                   "compile_s": round(time.perf_counter() - start, 2),
+                   "stablehlo_chars": len(lowered.as_text()), "hlo_chars": len(exe.as_text())})
+      print(rows[-1])
+  return rows
+
+
 def main(argv=None):
   args = parse(argv)
+  if args.compile_sweep:
+    result = {"config": vars(args), "device_count": jax.device_count(),
+              "machine": _common.machine(), "compile_sweep": compile_sweep(args)}
+    path = _common.results_dir(args) / "bench_pipeline_compile.json"
+    _common.write_json(path, result)
+    print(f"wrote {path}")
+    return result
   rng = np.random.default_rng(0)
   rows = []
   for num_stages in args.stages:

@@ -303,7 +303,14 @@ def stage_model(model: nn.Module, params, stage_ids, sample_input, *, model_stat
                        "cut between top-level units. Use cdpjax.stages.partition.")
     unit_stage[unit] = ids.pop()
   num_stages = 1 + max(unit_stage.values())
-  order = stages_lib.execution_order(model, sample_input, train=True)
+  calls = stages_lib._trace(  # pylint: disable=protected-access
+      model, (sample_input,), {"train": True}, stages_lib._default_rngs(None))[1]
+  shared = [u for u, unit_calls in calls.items() if len(unit_calls) > 1]
+  if shared:
+    raise ValueError(
+        f"Units {shared} are called more than once (shared weights); the executed timetables "
+        "run each unit on one stage once. Use parallelism='data' for this model.")
+  order = list(calls)
   stage_seq = [unit_stage[u] for u in order]
   if stage_seq != sorted(stage_seq) or set(stage_seq) != set(range(num_stages)):
     raise ValueError(

@@ -84,7 +84,7 @@ def _check_staged(staged: StagedModel, num_workers: int) -> None:
                      f"{num_workers} workers: build the staged model with pad_to={num_workers}.")
 
 
-def _owner_rows(rows, num_stages: int):
+def _owner_rows(rows):
   """Stage-order rows ``[J, ...]`` in owner order (row ``r`` = stage ``J-1-r``), and back."""
   return rows[::-1]
 
@@ -104,22 +104,21 @@ def init_state(staged: StagedModel, params, tx: optax.GradientTransformation, *,
   num_workers = _num_workers(mesh)
   _check_staged(staged, num_workers)
   params_JxP, state_JxM = staged.pack(params, model_state)
-  rows = jnp.asarray(_owner_rows(params_JxP, num_workers))
+  rows = jnp.asarray(_owner_rows(params_JxP))
   state = StagedState(
       step=jnp.zeros((), jnp.int32), params=rows,
       stale_params=tuple(jnp.array(rows) for _ in range(schedule.max_delay(rule))),
       opt_state=jax.vmap(tx.init)(rows),
-      model_state=jnp.asarray(_owner_rows(state_JxM, num_workers)) if staged.state_size else None)
+      model_state=jnp.asarray(_owner_rows(state_JxM)) if staged.state_size else None)
   return jax.device_put(state, _shardings(state, mesh, "cyclic"))
 
 
 def variables(state: StagedState, staged: StagedModel) -> dict:
   """``theta_t`` and the model state as flax variables."""
-  num = staged.num_stages
   model_state = None
   if state.model_state is not None:
-    model_state = _owner_rows(np.asarray(jax.device_get(replicated(state.model_state))), num)
-  return staged.unpack(_owner_rows(np.asarray(jax.device_get(replicated(state.params))), num),
+    model_state = _owner_rows(np.asarray(jax.device_get(replicated(state.model_state))))
+  return staged.unpack(_owner_rows(np.asarray(jax.device_get(replicated(state.params)))),
                        model_state)
 
 
