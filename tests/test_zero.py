@@ -44,9 +44,9 @@ def zero_run(name, rule, num_workers):
   return metrics, jax.tree.map(np.asarray, ex.variables(state)), ex.plan
 
 
-@pytest.mark.parametrize("rule,timetable", [("dp", "zero3"), ("cdp-v1", "cyclic"),
-                                            ("cdp-v2", "cyclic")])
+@pytest.mark.parametrize("rule,timetable", [("dp", "zero3"), ("cdp-v2", "cyclic")])
 def test_residual_mlp_matches_engine(rule, timetable):
+  """tests/test_executors.py runs every rule through the launcher against the engine."""
   metrics, variables, plan_ = zero_run("residual_mlp", rule, 2)
   assert plan_.timetable == timetable  # dp runs ZeRO-3, the cdp rules the cyclic ring.
   ref.assert_matches_engine(metrics, variables, "residual_mlp", rule, 2)
