@@ -37,6 +37,7 @@ DESCRIPTIONS = {
     ("data", "lockstep"): "the update-rule engine (data parallelism, replicated state)",
     ("model", "gpipe"): "executed GPipe on the stage devices (all forwards, all backwards, flush)",
     ("model", "cyclic"): "executed CDP + model parallelism (cyclic pipeline, no flush)",
+    ("model", "dp+mp"): "executed DP + MP (N replicas of the J-stage pipeline, all-reduce)",
     ("zero", "zero3"): "executed ZeRO-3 (all-gather at use, reduce-scatter)",
     ("zero", "cyclic"): "executed CDP + ZeRO (stages travel a ring of collective-permutes)",
 }
@@ -51,7 +52,8 @@ class RulePlan(NamedTuple):
     delays: ``d``, int ``(N, J)``: worker ``i`` reads ``theta^j_{t - d[i, j]}``.
     num_stale: ``D``, the stale versions the state keeps.
     timetable: what is executed: ``lockstep`` (the engine), ``gpipe`` or
-      ``zero3`` (the flushed baselines, for a rule without delays) or ``cyclic``.
+      ``zero3`` (the flushed baselines, for a rule without delays) or ``cyclic``;
+      ``dp+mp`` only when asked for by name.
   """
   rule: Any
   parallelism: str

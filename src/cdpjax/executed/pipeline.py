@@ -355,8 +355,7 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
   if num_micro < 1:
     raise ValueError(f"num_micro_batches must be >= 1, got {num_micro}.")
   plan = _resolve(rule, timetable, num_micro, num_stages)
-  tt = _Timetable(plan.timetable if timetable is None else timetable, axes, num_stages,
-                  num_micro, per_replica, scan_steps or 1)
+  tt = _Timetable(plan.timetable, axes, num_stages, num_micro, per_replica, scan_steps or 1)
   body = _make_body(staged, tx, plan.delays, tt)
   state_spec = StagedState(P(), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS))
   batch_spec = P(None, DATA_AXIS) if tt.name == "dp+mp" else P()
@@ -421,5 +420,4 @@ def _resolve(rule, timetable, num_micro, num_stages) -> executor_lib.RulePlan:
   if timetable not in TIMETABLES:
     raise ValueError(f"Unknown timetable {timetable!r}: use one of {TIMETABLES}.")
   delays = schedule.resolve(rule, num_micro, num_stages)
-  return executor_lib.RulePlan(rule, "model", delays, schedule.max_delay(rule),
-                               "gpipe")
+  return executor_lib.RulePlan(rule, "model", delays, schedule.max_delay(rule), timetable)
