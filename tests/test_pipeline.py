@@ -203,3 +203,15 @@ def test_benchmark_quick(tmp_path):
               "collectives", "step_time_ratio_vs_gpipe", "analytic"):
     assert key in row
   assert {r["schedule"] for r in result["rows"]} >= {"cyclic", "gpipe", "dp+mp"}
+
+
+def test_benchmark_compile_sweep_quick(tmp_path):
+  """The README's compile-time sweep, at J = 2 and the quick sizes."""
+  if str(EXPERIMENTS) not in sys.path:
+    sys.path.insert(0, str(EXPERIMENTS))
+  result = importlib.import_module("bench_pipeline").main(
+      ["--quick", "--compile_sweep", "2", "--results_dir", str(tmp_path)])
+  rows = result["compile_sweep"]
+  assert {(r["executor"], r["num_stages"]) for r in rows} == {("pipeline", 2), ("zero", 2)}
+  assert all(r["compile_s"] > 0 and r["hlo_chars"] > r["stablehlo_chars"] / 10 for r in rows)
+  assert (tmp_path / "bench_pipeline_compile.json").is_file()
