@@ -3,6 +3,7 @@
 Run:
   /work/venv/bin/python experiments/bench_pipeline.py              # J in {2, 4, 8}
   /work/venv/bin/python experiments/bench_pipeline.py --quick      # J = 2, tiny, seconds
+  /work/venv/bin/python experiments/bench_pipeline.py --compile_sweep 2,4,8,16  # compile vs J
 
 For each J (N = J micro-batches, one block per stage by default) it compiles
 the cyclic schedule (cdp-v2), GPipe (dp) and DP+MP (dp, N*J devices) and
@@ -10,21 +11,27 @@ reports per-device memory from ``memory_analysis``, idle slots counted from the
 executed schedule, collectives from the compiled HLO, and the step time
 relative to GPipe measured in the same run (calls of K steps interleaved
 across schedules, median over timed calls, warm-up excluded). DP+MP rows whose N*J devices do not exist are analytic and say so.
-Results go to ``<results_dir>/bench_pipeline.json`` (default ``results/bench_pipeline``).
+It also reports the padding cost of flat stage buffers for ResNet-18 cut by
+FLOPs (``padding``). Results go to ``<results_dir>/bench_pipeline.json``
+(default ``results/bench_pipeline``).
 """
 from __future__ import annotations
+
+import time
 
 import _common
 from cdpjax import distributed  # (imports no JAX)
 
-distributed.emulate_cpu_devices(8)
+distributed.emulate_cpu_devices(16)  # J = 16 in --compile_sweep.
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from cdpjax import compiled, pipeline  # noqa: E402
+from cdpjax import compiled, models, stages  # noqa: E402
+from cdpjax.executed import pipeline, plan, zero  # noqa: E402
+from cdpjax.executed import staged as staged_lib  # noqa: E402
 from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
 
 RULES = {"cyclic": "cdp-v2", "gpipe": "dp", "dp+mp": "dp"}
@@ -39,6 +46,9 @@ def parse(argv=None):
   parser.add_argument("--per_micro", type=int, default=32, help="rows b of one micro-batch")
   parser.add_argument("--steps_per_call", type=int, default=4, help="K steps per compiled call")
   parser.add_argument("--timed_calls", type=int, default=20)
+  parser.add_argument("--compile_sweep", default="",
+                      help="comma-separated J values: only compile time and program size of "
+                           "the cyclic pipeline and the cyclic ZeRO step (cdp-v2)")
   args = parser.parse_args(argv)
   if args.quick:
     # The shapes of tests/test_pipeline.py, whose compiles the smoke test then reuses.
@@ -46,12 +56,13 @@ def parse(argv=None):
     args.blocks_per_stage = 2
     args.steps_per_call, args.timed_calls = 2, 2
   args.stages = [int(s) for s in args.stages.split(",")]
+  args.compile_sweep = [int(s) for s in args.compile_sweep.split(",") if s]
   return args
 
 
 def schedule_counts(schedule, num_stages, num_steps, act_bytes):
   """Slots, idle slots and stashed stage inputs, counted from the executed events."""
-  events = pipeline.executed_events(schedule, RULES[schedule], num_stages, num_steps)
+  events = plan.executed_events(schedule, RULES[schedule], num_stages, num_steps)
   replicas = num_stages if schedule == "dp+mp" else 1
   slots_per_call = max(e.slot for e in events) + 1
   busy = {}  # Device -> busy slots; a dp+mp device is (replica, stage).
@@ -101,17 +112,17 @@ def collective_figures(hlo, slots_per_step):
           "collective_bytes_per_step_per_device": per_step}
 
 
-def measure(schedule, num_stages, args, params, batch, num_blocks):
+def measure(schedule, num_stages, args, staged, params, batch):
   if schedule == "dp+mp":
     mesh = jax.make_mesh((num_stages, num_stages), ("data", "stage"))
   else:
     mesh = jax.make_mesh((num_stages,), ("stage",))
-  tx = optax.sgd(0.2, momentum=0.9)
+  tx = optax.sgd(0.1, momentum=0.9)  # tests/test_pipeline.py's, so --quick reuses its compiles.
   rule = RULES[schedule]
-  step = pipeline.make_train_step(tx, rule=rule, mesh=mesh, num_blocks=num_blocks,
-                                  schedule=schedule, scan_steps=args.steps_per_call)
-  state = pipeline.init_state(params, tx, rule=rule, mesh=mesh, num_blocks=num_blocks)
-  exe = step.lower(state, batch).compile()
+  ex = pipeline.make_train_step(staged, tx, rule=rule, mesh=mesh, timetable=schedule,
+                                scan_steps=args.steps_per_call)
+  state = ex.init(params)
+  exe = ex.lower(state, batch).compile()
   memory = compiled.memory(exe)
   act_bytes = args.per_micro * args.width * 4
   row = {"schedule": schedule, "rule": rule, "num_stages": num_stages, "num_micro": num_stages,
@@ -127,7 +138,7 @@ def measure(schedule, num_stages, args, params, batch, num_blocks):
   })
   row.update(collective_figures(exe.as_text(), row["slots_per_step"]))
   row["timed_steps"] = args.timed_calls * args.steps_per_call
-  return row, (lambda st, b: exe(st, b), *step.prepare(state, batch))
+  return row, (ex.step, state, batch)
 
 
 def analytic_dp_mp(num_stages, param_bytes_per_stage, act_bytes):
@@ -170,30 +181,104 @@ def print_table(rows):
   print("* analytic: N*J devices do not exist here; schedule figures only.")
 
 
+def resnet_padding(args) -> list[dict]:
+  """The padding cost of flat stage buffers for ResNet-18 (CIFAR stem) cut by FLOPs.
+
+  Stages differ in size, and SPMD pads every stage's parameters (and every
+  boundary activation) to the largest. Read from the layout: nothing compiles
+  but the per-unit FLOP counts.
+  """
+  width, image, channels = (4, 8, 1) if args.quick else (64, 32, 3)
+  model = models.create_model("resnet18", 10, width=width, stem="cifar")
+  sample = jnp.zeros((1, image, image, channels))
+  variables = model.init(jax.random.key(0), sample, train=False)
+  out = []
+  for num_stages in args.stages:
+    stage_ids = stages.model_stage_ids(model, variables["params"], num_stages, sample,
+                                       strategy="flops", train=False)
+    staged = staged_lib.stage_model(model, variables["params"], stage_ids, sample,
+                                    model_state={"batch_stats": variables["batch_stats"]})
+    x_spec = jax.ShapeDtypeStruct((args.per_micro, image, image, channels), jnp.float32)
+    out.append({"model": f"resnet18 width {width}, {image}x{image}x{channels}", "num_stages": num_stages,
+                "per_micro": args.per_micro, **staged_lib.padding_report(staged, x_spec)})
+  print("ResNet-18 padding: " + ", ".join(
+      f"J={r['num_stages']}: params x{r['param_padding_ratio']:.2f}" for r in out))
+  return out
+
+
+def compile_sweep(args) -> list[dict]:
+  """Seconds to lower and compile, and program sizes, of both cyclic executors against J.
+
+  The model is the residual MLP with ``blocks_per_stage`` blocks per stage, one
+  step per call (``scan_steps`` = 1 for the pipeline).
+  """
+  rows = []
+  for num_stages in args.compile_sweep:
+    if num_stages > jax.device_count():
+      print(f"compile sweep: J={num_stages} needs {num_stages} devices; skipped.")
+      continue
+    model = ResidualMLP(num_classes=10, width=args.width, hidden=args.hidden,
+                        num_blocks=num_stages * args.blocks_per_stage)
+    sample = jnp.zeros((1, 8, 8, 1))
+    params = model.init(jax.random.key(0), sample)["params"]
+    stage_ids = stages.model_stage_ids(
+        model, params, num_stages, sample, strategy="boundaries",
+        boundaries=[f"block_{s * args.blocks_per_stage}" for s in range(1, num_stages)])
+    staged = staged_lib.stage_model(model, params, stage_ids, sample, pad_to=num_stages)
+    rng = np.random.default_rng(0)
+    rows_n = num_stages * args.per_micro
+    batch = {"image": rng.normal(size=(rows_n, 8, 8, 1)).astype(np.float32),
+             "label": rng.integers(0, 10, size=(rows_n,)).astype(np.int32)}
+    tx = optax.sgd(0.1, momentum=0.9)
+    for name, make, axis in (("pipeline", pipeline.make_train_step, "stage"),
+                             ("zero", zero.make_train_step, "data")):
+      ex = make(staged, tx, rule="cdp-v2", mesh=jax.make_mesh((num_stages,), (axis,)))
+      state = ex.init(params)
+      start = time.perf_counter()
+      lowered = ex.lower(state, batch)
+      lower_s = time.perf_counter() - start
+      start = time.perf_counter()
+      exe = lowered.compile()
+      rows.append({"executor": name, "num_stages": num_stages, "lower_s": round(lower_s, 2),
+                   "compile_s": round(time.perf_counter() - start, 2),
+                   "stablehlo_chars": len(lowered.as_text()), "hlo_chars": len(exe.as_text())})
+      print(rows[-1])
+  return rows
+
+
 def main(argv=None):
   args = parse(argv)
+  if args.compile_sweep:
+    result = {"config": vars(args), "device_count": jax.device_count(),
+              "machine": _common.machine(), "compile_sweep": compile_sweep(args)}
+    path = _common.results_dir(args) / "bench_pipeline_compile.json"
+    _common.write_json(path, result)
+    print(f"wrote {path}")
+    return result
   rng = np.random.default_rng(0)
   rows = []
   for num_stages in args.stages:
     num_blocks = num_stages * args.blocks_per_stage
     model = ResidualMLP(num_classes=10, width=args.width, hidden=args.hidden,
                         num_blocks=num_blocks)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    sample = jnp.zeros((1, 8, 8, 1))
+    params = model.init(jax.random.key(0), sample)["params"]
+    stage_ids = stages.model_stage_ids(
+        model, params, num_stages, sample, strategy="boundaries",
+        boundaries=[f"block_{s * args.blocks_per_stage}" for s in range(1, num_stages)])
+    staged = staged_lib.stage_model(model, params, stage_ids, sample)
     rows_n = num_stages * args.per_micro
     batch = {"image": rng.normal(size=(args.steps_per_call, rows_n, 8, 8, 1)).astype(np.float32),
              "label": rng.integers(0, 10, size=(args.steps_per_call, rows_n)).astype(np.int32)}
     measured, programs = {}, {}
     for schedule in ("cyclic", "gpipe", "dp+mp"):
       if schedule == "dp+mp" and num_stages * num_stages > jax.device_count():
-        # Every stage holds k blocks plus the (zero-padded) embed and head.
-        stage_params = [params[f"block_{l}"] for l in range(args.blocks_per_stage)]
-        stage_params += [params["embed"], params["head"]]
-        param_bytes = sum(x.nbytes for x in jax.tree.leaves(stage_params))
+        param_bytes = 4 * staged.param_size  # Every stage is padded to the largest.
         measured[schedule] = analytic_dp_mp(num_stages, param_bytes,
                                             args.per_micro * args.width * 4)
         continue
       measured[schedule], programs[schedule] = measure(
-          schedule, num_stages, args, params, batch, num_blocks)
+          schedule, num_stages, args, staged, params, batch)
     call_s = _common.interleaved_step_times(programs, steps=args.timed_calls, warmup=2)
     for schedule, row in measured.items():
       if schedule in call_s:
@@ -201,7 +286,7 @@ def main(argv=None):
         row["step_time_ratio_vs_gpipe"] = call_s[schedule] / call_s["gpipe"]
       rows.append(row)
   result = {"config": vars(args), "device_count": jax.device_count(),
-            "machine": _common.machine(), "rows": rows}
+            "machine": _common.machine(), "rows": rows, "padding": resnet_padding(args)}
   path = _common.results_dir(args) / "bench_pipeline.json"
   _common.write_json(path, result)
   print_table(rows)

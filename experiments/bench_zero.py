@@ -3,9 +3,9 @@
 For N = J in {2, 4, 8} workers on emulated CPU devices, the digits ResidualMLP
 (J blocks, one per stage) is trained with:
 
-- ``cyclic``: ``zero.make_train_step(schedule="cyclic")``, rule cdp-v2;
-- ``zero3``: ``zero.make_train_step(schedule="zero3")``, rule dp;
-- ``engine``: the replicated ``engine.make_train_step``, rule cdp-v2.
+- ``cyclic``: ``executed.zero.make_train_step(timetable="cyclic")``, rule cdp-v2;
+- ``zero3``: ``executed.zero.make_train_step(timetable="zero3")``, rule dp;
+- ``engine``: the replicated engine (``executor.build("data", ...)``), rule cdp-v2.
 
 Memory and communication are read from the compiled programs (per device);
 speed is a ratio to the engine measured in this run, steps interleaved, warm-up
@@ -29,7 +29,9 @@ import jax  # noqa: E402  (after the device count is set)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from cdpjax import compiled, engine, zero  # noqa: E402
+from cdpjax import compiled, executor, stages  # noqa: E402
+from cdpjax.executed import plan, zero  # noqa: E402
+from cdpjax.executed import staged as staged_lib  # noqa: E402
 from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
 
 
@@ -72,23 +74,22 @@ def build(num_workers, args):
   params = jax.tree.map(np.asarray, variables["params"])
   mesh = jax.make_mesh((num_workers,), ("data",))
   tx = optax.adam(1e-3)
+  sample = batch["image"][:1]
+  stage_ids = stages.model_stage_ids(
+      model, params, num_workers, sample, strategy="boundaries",
+      boundaries=[f"block_{s}" for s in range(1, num_workers)])
+  staged = staged_lib.stage_model(model, params, stage_ids, sample, pad_to=num_workers)
   programs = {}
   for name, rule in (("cyclic", "cdp-v2"), ("zero3", "dp"), ("engine", "cdp-v2")):
     if name == "engine":
-      def loss_fn(p, b):
-        logits = model.apply({"params": p}, b["image"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, b["label"]).mean()
-      stage_ids = {u: jax.tree.map(lambda _, s=(0 if u == "embed" else num_workers - 1
-                                                 if u == "head" else int(u[6:])): s, params[u])
-                   for u in params}
-      step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh)
-      state = engine.init_state(params, tx, rule=rule)
+      ex = executor.build("data", model, tx, params=params, model_state=None,
+                          stage_ids=stage_ids, sample_input=sample, rule=rule, mesh=mesh,
+                          loss_fn=staged_lib.cross_entropy)
     else:
-      step = zero.make_train_step(tx, rule=rule, mesh=mesh, num_blocks=num_blocks, schedule=name)
-      state = zero.init_state(params, tx, rule=rule, mesh=mesh, num_blocks=num_blocks)
-    state, device_batch = step.prepare(state, batch)
+      ex = zero.make_train_step(staged, tx, rule=rule, mesh=mesh, timetable=name)
+    state = ex.init(params)
     start = time.perf_counter()
-    executable = step.lower(state, device_batch).compile()
+    executable = ex.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     hlo = executable.as_text()
     memory = compiled.memory(executable)
@@ -114,12 +115,12 @@ def build(num_workers, args):
       row["max_slot_bytes_per_device"] = row["bytes_per_device_per_step"]
       row["max_slot_bytes"] = row["bytes_per_device_per_step"] * num_workers
     else:
-      stage_bytes = 4 * state.layout.stage_size
-      traffic = zero.slot_traffic(name, num_workers, stage_bytes, rule=rule)
+      stage_bytes = 4 * staged.param_size
+      traffic = plan.slot_traffic(name, num_workers, stage_bytes, rule=rule)
       row["max_slot_bytes_per_device"] = traffic["max_slot_bytes_per_device"]
       row["max_slot_bytes"] = traffic["max_slot_bytes"]
       row["num_slots"] = traffic["num_slots"]
-    programs[name] = (executable, state, device_batch, row)
+    programs[name] = (ex.step, state, batch, row)
   return programs
 
 

@@ -1,4 +1,4 @@
-"""The executed pipeline schedules against the engine, the timeline and the compiled program."""
+"""The executed pipeline timetables against the engine, the timeline and the compiled program."""
 import functools
 import importlib
 import json
@@ -8,108 +8,63 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from cdpjax import compiled, engine, pipeline, schedule
-from cdpjax.models.residual_mlp import ResidualMLP
+from cdpjax import compiled, schedule
+from cdpjax.executed import pipeline, plan
 
-RTOL = 1e-5
-ATOL = 1e-6
+import executed_reference as ref
+
 STEPS_PER_CALL = 2
-CALLS = 2
-PER_MICRO = 2
-TXS = {"dp": optax.sgd(0.2, momentum=0.9), "cdp-v1": optax.sgd(0.2, momentum=0.9),
-       "cdp-v2": optax.sgd(0.2, momentum=0.9)}
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 
 
-def make_model(num_blocks):
-  model = ResidualMLP(num_classes=10, width=8, hidden=16, num_blocks=num_blocks)
-  return model, model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
-
-
-def make_batches(num_micro, num_steps, seed=0):
-  rng = np.random.default_rng(seed)
-  rows = num_micro * PER_MICRO
-  return {"image": rng.normal(size=(num_steps, rows, 8, 8, 1)).astype(np.float32),
-          "label": rng.integers(0, 10, size=(num_steps, rows)).astype(np.int32)}
-
-
-def stage_ids_of(params, num_stages, num_blocks):
-  """embed on stage 0, block l on stage l // k, head on stage J-1: the pipeline's layout."""
-  k = num_blocks // num_stages
-  stage = {"embed": 0, "head": num_stages - 1}
-  stage.update({f"block_{l}": l // k for l in range(num_blocks)})
-  return {name: jax.tree.map(lambda _, s=stage[name]: s, tree) for name, tree in params.items()}
-
-
 @functools.cache
-def engine_run(rule, num_micro, num_stages, num_blocks):
-  """Losses and final params of the engine over CALLS * STEPS_PER_CALL steps."""
-  model, params = make_model(num_blocks)
-
-  def loss_fn(p, batch):
-    logits = model.apply({"params": p}, batch["image"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-
-  tx = TXS[rule]
-  step = engine.make_train_step(
-      loss_fn, tx, stage_ids=stage_ids_of(params, num_stages, num_blocks), rule=rule,
-      mesh=jax.make_mesh((num_micro,), ("data",)), scan_steps=CALLS * STEPS_PER_CALL)
-  state, metrics = step(engine.init_state(params, tx, rule=rule),
-                        make_batches(num_micro, CALLS * STEPS_PER_CALL))
-  return np.asarray(metrics["loss"]), state.params
-
-
-@functools.cache
-def compiled_step(rule, schedule_name, num_stages, num_blocks, scan_steps=STEPS_PER_CALL):
-  """``(step, executable, state)``: one compile serves the run, the HLO and memory checks."""
-  mesh = (jax.make_mesh((num_stages, num_stages), ("data", "stage")) if schedule_name == "dp+mp"
+def executor_of(name, rule, num_stages, timetable=None, scan_steps=STEPS_PER_CALL):
+  mesh = (jax.make_mesh((num_stages, num_stages), ("data", "stage")) if timetable == "dp+mp"
           else jax.make_mesh((num_stages,), ("stage",)))
-  _, params = make_model(num_blocks)
-  tx = TXS[rule]
-  step = pipeline.make_train_step(tx, rule=rule, mesh=mesh, num_blocks=num_blocks,
-                                  schedule=schedule_name, scan_steps=scan_steps)
-  state = pipeline.init_state(params, tx, rule=rule, mesh=mesh, num_blocks=num_blocks)
-  batch = make_batches(num_stages, scan_steps)
-  return step, step.lower(state, batch).compile(), state
+  return pipeline.make_train_step(ref.staged_of(name, num_stages), ref.make_tx(name), rule=rule,
+                                  mesh=mesh, timetable=timetable, scan_steps=scan_steps)
 
 
-def pipeline_run(rule, schedule_name, num_stages, num_blocks):
-  step, executable, state = compiled_step(rule, schedule_name, num_stages, num_blocks)
-  state = jax.tree.map(jnp.copy, state)  # The executable donates its input.
-  batches = make_batches(num_stages, CALLS * STEPS_PER_CALL)
-  losses = []
-  for c in range(CALLS):
-    part = jax.tree.map(lambda x: x[c * STEPS_PER_CALL:(c + 1) * STEPS_PER_CALL], batches)
-    state, raw = executable(*step.prepare(state, part))
-    losses.append(np.asarray(step.finish(raw)["loss"]))
-  return np.concatenate(losses), state
+def initial_state(ex, name, num_stages):
+  _, params, model_state, _ = ref.model_of(name, num_stages)
+  return ex.init(params, model_state)
 
 
-CASES = [("dp", "gpipe"), ("cdp-v1", "cyclic"), ("cdp-v2", "cyclic")]
+@functools.cache
+def pipeline_run(name, rule, num_stages, timetable=None):
+  """Per-step metrics and final variables over NUM_STEPS steps, STEPS_PER_CALL per call."""
+  ex = executor_of(name, rule, num_stages, timetable)
+  state = initial_state(ex, name, num_stages)
+  data, metrics = ref.batches(name, num_stages), []
+  for c in range(ref.NUM_STEPS // STEPS_PER_CALL):
+    part = jax.tree.map(lambda x: x[c * STEPS_PER_CALL:(c + 1) * STEPS_PER_CALL], data)
+    state, m = ex.step(state, part)
+    metrics += [jax.tree.map(lambda x, k=k: np.asarray(x[k]), m) for k in range(STEPS_PER_CALL)]
+  assert int(state.step) == ref.NUM_STEPS
+  return metrics, jax.tree.map(np.asarray, ex.variables(state)), ex.plan
 
 
-@pytest.mark.parametrize("num_stages,num_blocks", [(2, 4), (4, 4)])
-@pytest.mark.parametrize("rule,schedule_name", CASES)
-def test_matches_engine(rule, schedule_name, num_stages, num_blocks):
-  ref_losses, ref_params = engine_run(rule, num_stages, num_stages, num_blocks)
-  losses, state = pipeline_run(rule, schedule_name, num_stages, num_blocks)
-  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
-               pipeline.current_params(state), ref_params)
-  assert int(state.step) == CALLS * STEPS_PER_CALL
+def test_residual_mlp_matches_engine():
+  """K-step calls of the cyclic timetable. tests/test_executors.py runs every rule
+  (dp as GPipe) through the launcher against the engine."""
+  metrics, variables, plan_ = pipeline_run("residual_mlp", "cdp-v2", 2)
+  assert plan_.timetable == "cyclic"
+  ref.assert_matches_engine(metrics, variables, "residual_mlp", "cdp-v2", 2)
+
+
+def test_resnet18_with_batchnorm_matches_engine():
+  """Heterogeneous stages (cut by FLOPs), BatchNorm statistics averaged as the engine does."""
+  metrics, variables, _ = pipeline_run("resnet18", "cdp-v2", 2)
+  assert set(variables) == {"params", "batch_stats"}
+  ref.assert_matches_engine(metrics, variables, "resnet18", "cdp-v2", 2)
 
 
 def test_dp_plus_mp_matches_engine_dp():
   """N = J = 2 replicas of 2 stages: 4 devices, the engine's dp numbers."""
-  ref_losses, ref_params = engine_run("dp", 2, 2, 4)
-  losses, state = pipeline_run("dp", "dp+mp", 2, 4)
-  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
-               pipeline.current_params(state), ref_params)
-  assert compiled_step("dp", "dp+mp", 2, 4)[0].devices == 4
+  metrics, variables, _ = pipeline_run("residual_mlp", "dp", 2, "dp+mp")
+  ref.assert_matches_engine(metrics, variables, "residual_mlp", "dp", 2)
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 8])
@@ -118,7 +73,7 @@ def test_cyclic_events_are_the_timeline(rule, num_stages):
   """Slots, micro-batch = worker, steps and versions (cdp-v2: newest available) agree."""
   expected = [e._replace(slot=int(e.slot))
               for e in schedule.timeline(rule, num_stages, num_stages, 3)]
-  assert pipeline.executed_events("cyclic", rule, num_stages, 3) == expected
+  assert plan.executed_events("cyclic", rule, num_stages, 3) == expected
 
 
 @pytest.mark.parametrize("num_stages", [2, 4, 8])
@@ -126,108 +81,115 @@ def test_bubbles(num_stages):
   """Cyclic: no idle slot in steady state; GPipe idles (J-1)/(N+J-1) of every step."""
   num_steps = 3
   period = 2 * num_stages
-  cyclic = pipeline.executed_events("cyclic", "cdp-v2", num_stages, num_steps)
+  cyclic = plan.executed_events("cyclic", "cdp-v2", num_stages, num_steps)
   busy = {(e.slot, e.stage) for e in cyclic}
   assert len(busy) == len(cyclic)  # One event per device and slot.
   steady = range(period, num_steps * period)  # Fill ends, drain starts: steps 1 .. K-1.
   assert all((s, j) in busy for s in steady for j in range(num_stages))
-  gpipe = pipeline.executed_events("gpipe", "dp", num_stages, num_steps)
+  gpipe = plan.executed_events("gpipe", "dp", num_stages, num_steps)
   slots = 2 * (2 * num_stages - 1) * num_steps
   assert 1 - len(gpipe) / (slots * num_stages) == pytest.approx(
       (num_stages - 1) / (2 * num_stages - 1))
 
 
-def test_only_collective_permutes():
-  """Activations and cotangents only: the step holds no all-reduce or all-gather.
+@functools.cache
+def compiled_of(name, rule, num_stages, scan_steps=STEPS_PER_CALL):
+  ex = executor_of(name, rule, num_stages, scan_steps=scan_steps)
+  batch = ref.batches(name, num_stages, num_steps=scan_steps)
+  return ex.lower(initial_state(ex, name, num_stages), batch).compile()
 
-  Metrics leave the step sharded and are gathered afterwards, so nothing else
-  communicates. Cyclic: one permute per slot parity (neighbour swaps); GPipe:
-  one per phase (shift right for activations, left for cotangents).
+
+def test_only_collective_permutes():
+  """Activations and cotangents only: no all-reduce or all-gather in the step.
+
+  Metrics leave the step sharded and are gathered afterwards. At J = 2 the
+  cyclic timetable swaps neighbours at even slots (and nobody at odd ones), GPipe
+  shifts right in the forward phase and left in the backward phase.
   """
-  width = 8
-  for schedule_name, pairs in [("cyclic", [pipeline.swap_pairs(4, 0), pipeline.swap_pairs(4, 1)]),
-                               ("gpipe", [[(0, 1), (1, 2), (2, 3)], [(1, 0), (2, 1), (3, 2)]])]:
-    rule = "cdp-v2" if schedule_name == "cyclic" else "dp"
-    found = compiled.collectives(compiled_step(rule, schedule_name, 4, 4)[1].as_text())
+  act_bytes = ref.PER_MICRO["residual_mlp"] * 8 * 4  # b rows of width 8, float32.
+  for rule, pairs in [("cdp-v2", [plan.swap_pairs(2, 0)]), ("dp", [[(0, 1)], [(1, 0)]])]:
+    found = compiled.collectives(compiled_of("residual_mlp", rule, 2).as_text())
     assert {c.kind for c in found} == {"collective-permute"}
     assert sorted(sorted(c.source_target_pairs) for c in found) == sorted(map(sorted, pairs))
-    assert all(c.bytes == PER_MICRO * width * 4 for c in found)
+    assert all(c.bytes == act_bytes for c in found)
 
 
 def test_memory_does_not_grow_with_steps():
   """A 2K-step call needs the temporaries of a K-step call, and the state is the same size.
 
-  Only the per-step metrics (loss and gradient norms, 8 bytes a step, in 64-byte
-  aligned buffers) grow; no activation, stash or parameter buffer does.
+  Only what is per step grows: the call's micro-batch layout of its batch, and
+  three float32 metrics per step (in 64-byte aligned buffers); no activation,
+  stash or parameter buffer does.
   """
-  short = compiled_step("cdp-v2", "cyclic", 2, 4)
-  long = compiled_step("cdp-v2", "cyclic", 2, 4, scan_steps=2 * STEPS_PER_CALL)
-  short_mem, long_mem = compiled.memory(short[1]), compiled.memory(long[1])
-  assert 0 <= long_mem["temp_bytes"] - short_mem["temp_bytes"] <= 64 + 8 * 2 * STEPS_PER_CALL
-  state_bytes = sum(x.nbytes for x in jax.tree.leaves(short[2][1:])) // 2 + 4  # Per device + step.
-  assert short_mem["alias_bytes"] == long_mem["alias_bytes"] == state_bytes
+  short = compiled.memory(compiled_of("residual_mlp", "cdp-v2", 2))
+  long = compiled.memory(compiled_of("residual_mlp", "cdp-v2", 2, scan_steps=2 * STEPS_PER_CALL))
+  extra_batch = sum(x.nbytes for x in jax.tree.leaves(
+      ref.batches("residual_mlp", 2, num_steps=STEPS_PER_CALL)))
+  assert 0 <= long["temp_bytes"] - short["temp_bytes"] <= extra_batch + 3 * 64
+  ex = executor_of("residual_mlp", "cdp-v2", 2)
+  state = initial_state(ex, "residual_mlp", 2)
+  per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+  assert short["alias_bytes"] == long["alias_bytes"] == per_device
 
 
 def test_state_round_trip_and_layout():
-  _, params = make_model(4)
-  mesh = jax.make_mesh((2,), ("stage",))
-  state = pipeline.init_state(params, optax.adam(0.1), rule="cdp-v2", mesh=mesh, num_blocks=4)
-  jax.tree.map(np.testing.assert_array_equal, pipeline.current_params(state), params)
+  ex = executor_of("resnet18", "cdp-v2", 2)
+  _, params, model_state, _ = ref.model_of("resnet18", 2)
+  state = ex.init(params, model_state)
+  jax.tree.map(np.testing.assert_array_equal, ex.variables(state),
+               {"params": params, **model_state})
+  staged = ref.staged_of("resnet18", 2)
   assert len(state.stale_params) == 1
-  assert state.params["blocks"]["dense_in"]["kernel"].shape == (2, 2, 8, 16)
-  assert state.params["blocks"]["dense_in"]["kernel"].sharding.spec == jax.P("stage")
-  np.testing.assert_array_equal(np.asarray(state.params["blocks"]["norm"]["scale"])[1, 0],
-                                params["block_2"]["norm"]["scale"])
-  assert not pipeline.init_state(params, optax.sgd(0.1), rule="dp", mesh=mesh,
-                                 num_blocks=4).stale_params
+  assert state.params.shape == (2, staged.param_size)
+  assert state.model_state.shape == (2, staged.state_size)
+  assert state.params.sharding.spec == jax.P("stage")
+  dp = executor_of("residual_mlp", "dp", 2)
+  assert not dp.init(*ref.model_of("residual_mlp", 2)[1:3]).stale_params
 
 
 class TestBadInput:
 
-  def setup_method(self):
-    self.mesh = jax.make_mesh((2,), ("stage",))
-    self.tx = optax.sgd(0.1)
-
   def make(self, **kw):
-    args = dict(rule="cdp-v2", mesh=self.mesh, num_blocks=4)
+    args = dict(rule="cdp-v2", mesh=jax.make_mesh((2,), ("stage",)))
     args.update(kw)
-    return pipeline.make_train_step(self.tx, **args)
+    return pipeline.make_train_step(ref.staged_of("residual_mlp", 2), ref.make_tx("residual_mlp"),
+                                    **args)
 
   def test_num_micro_batches_must_equal_stages(self):
-    with pytest.raises(ValueError, match="N = J micro-batches.*num_workers = 2"):
+    with pytest.raises(ValueError, match="N = J micro-batches.*num_workers equal to num_stages"):
       self.make(num_micro_batches=4)
 
-  def test_num_blocks_multiple_of_stages(self):
-    with pytest.raises(ValueError, match="num_blocks=3 is not a multiple of the 2"):
-      self.make(num_blocks=3)
-    with pytest.raises(ValueError, match="not a multiple"):
-      pipeline.init_state(make_model(3)[1], self.tx, rule="cdp-v2", mesh=self.mesh, num_blocks=3)
+  def test_stages_must_match_the_mesh(self):
+    with pytest.raises(ValueError, match="cut into 2 stages.*has 4 devices"):
+      self.make(mesh=jax.make_mesh((4,), ("stage",)))
 
-  def test_params_must_match_num_blocks(self):
-    with pytest.raises(ValueError, match=r"missing \['block_2', 'block_3'\]"):
-      pipeline.init_state(make_model(2)[1], self.tx, rule="cdp-v2", mesh=self.mesh, num_blocks=4)
+  def test_dp_is_not_causal_on_the_cyclic_timetable(self):
+    with pytest.raises(ValueError, match="no delays.*timetable='gpipe'"):
+      self.make(rule="dp", timetable="cyclic")
 
-  def test_dp_is_not_causal_on_the_cyclic_schedule(self):
-    with pytest.raises(ValueError, match="not causal.*schedule='gpipe'"):
-      self.make(rule="dp")
-
-  def test_mesh_and_schedule(self):
+  def test_mesh_and_timetable(self):
     with pytest.raises(ValueError, match="no axis 'stage'"):
       self.make(mesh=jax.make_mesh((2,), ("data",)))
-    with pytest.raises(ValueError, match="Unknown schedule"):
-      self.make(schedule="1f1b")
+    with pytest.raises(ValueError, match="Unknown timetable"):
+      self.make(timetable="1f1b")
     with pytest.raises(ValueError, match="dp\\+mp needs a mesh"):
-      self.make(schedule="dp+mp", rule="dp")
+      self.make(timetable="dp+mp", rule="dp")
     with pytest.raises(ValueError, match="Unknown rule"):
       self.make(rule="cdp-v3")
 
+  def test_state_of_another_rule(self):
+    """A dp state (no stale version) stepped with cdp-v2 is refused, naming the fix."""
+    dp_state = executor_of("residual_mlp", "dp", 2).init(*ref.model_of("residual_mlp", 2)[1:3])
+    batch = ref.step_batch(ref.batches("residual_mlp", 2, num_steps=1), 0)
+    with pytest.raises(ValueError, match="keeps 0 stale parameter versions.*needs 1"):
+      self.make().step(dp_state, batch)
+
   def test_batch_not_divisible(self):
-    step = self.make()
-    state = pipeline.init_state(make_model(4)[1], self.tx, rule="cdp-v2", mesh=self.mesh,
-                                num_blocks=4)
-    batch = jax.tree.map(lambda x: x[0, :3], make_batches(2, 1))
+    ex = self.make()
+    state = ex.init(*ref.model_of("residual_mlp", 2)[1:3])
+    batch = jax.tree.map(lambda x: x[0, :3], ref.batches("residual_mlp", 2, num_steps=1))
     with pytest.raises(ValueError, match="not divisible by the N=2 micro-batches"):
-      step(state, batch)
+      ex.step(state, batch)
 
 
 def test_benchmark_quick(tmp_path):
@@ -241,3 +203,15 @@ def test_benchmark_quick(tmp_path):
               "collectives", "step_time_ratio_vs_gpipe", "analytic"):
     assert key in row
   assert {r["schedule"] for r in result["rows"]} >= {"cyclic", "gpipe", "dp+mp"}
+
+
+def test_benchmark_compile_sweep_quick(tmp_path):
+  """The README's compile-time sweep, at J = 2 and the quick sizes."""
+  if str(EXPERIMENTS) not in sys.path:
+    sys.path.insert(0, str(EXPERIMENTS))
+  result = importlib.import_module("bench_pipeline").main(
+      ["--quick", "--compile_sweep", "2", "--results_dir", str(tmp_path)])
+  rows = result["compile_sweep"]
+  assert {(r["executor"], r["num_stages"]) for r in rows} == {("pipeline", 2), ("zero", 2)}
+  assert all(r["compile_s"] > 0 and r["hlo_chars"] > r["stablehlo_chars"] / 10 for r in rows)
+  assert (tmp_path / "bench_pipeline_compile.json").is_file()

@@ -19,6 +19,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -38,13 +39,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import config as config_lib
 from cdpjax import data, engine, models, schedule, stages
+from cdpjax import executor as executor_lib
 
 
 class Runner(NamedTuple):
-  """One parallelism mode: how to build, step and read its state."""
+  """An executor bound to the run's initial variables (what the loop needs)."""
   init: Callable[[], Any]                    # -> state at step 0.
   step: Callable[[Any, dict], tuple]         # (state, global batch) -> (state, metrics).
   variables: Callable[[Any], dict]           # state -> flax variables of theta_t.
+  executor: executor_lib.Executor
 
 
 def cross_entropy(logits, labels):
@@ -82,14 +85,18 @@ def make_optimizer(c: ml_collections.ConfigDict, lr: optax.Schedule):
 
 
 def model_stage_ids(c, model, params, sample):
-  """Stages in execution order: identical blocks per stage, or balanced FLOPs/params."""
+  """Stages in execution order: identical blocks per stage, or balanced FLOPs/params.
+
+  ``blocks`` puts ``num_blocks / J`` of the units named ``block_<k>`` on each
+  stage (what comes before the first block joins stage 0, the rest the last).
+  """
   if c.stage_strategy == "blocks":
-    blocks = c.model_kwargs.get("num_blocks", 0)
-    if c.model != "residual_mlp" or blocks % c.num_stages:
+    blocks = sum(1 for name in params if re.fullmatch(r"block_\d+", name))
+    if not blocks or blocks % c.num_stages:
       raise ValueError(
-          f"stage_strategy='blocks' needs a residual_mlp whose num_blocks ({blocks}) is a "
-          f"multiple of num_stages ({c.num_stages}): change --config.model_kwargs.num_blocks "
-          "or use --config.stage_strategy=params.")
+          f"stage_strategy='blocks' needs a model of units block_0..block_<L-1> with L a "
+          f"multiple of num_stages ({c.num_stages}); {c.model!r} has {blocks}. Change the "
+          "model's number of blocks or use --config.stage_strategy=params (or flops).")
     per = blocks // c.num_stages
     return stages.model_stage_ids(model, params, c.num_stages, sample, strategy="boundaries",
                                   boundaries=[f"block_{s * per}" for s in range(1, c.num_stages)],
@@ -98,48 +105,23 @@ def model_stage_ids(c, model, params, sample):
                                 train=False)
 
 
-def _data_runner(c, model, tx, variables, sample, mesh) -> Runner:
+def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
+  """The executor of ``c.parallelism`` (one table, `executor.EXECUTORS`) for this run.
+
+  Prints (process 0) what runs the rule: under ``model`` and ``zero`` ``dp`` runs
+  GPipe and ZeRO-3.
+  """
   params = variables["params"]
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
-  stage_ids = model_stage_ids(c, model, params, sample)
-
-  if model_state is None:
-    def loss_fn(p, batch):
-      return cross_entropy(model.apply({"params": p}, batch["image"], train=True), batch["label"])
-  else:
-    def loss_fn(p, state, batch):
-      logits, new_state = model.apply({"params": p, **state}, batch["image"], train=True,
-                                      mutable=list(state))
-      return cross_entropy(logits, batch["label"]), new_state
-
-  rule = config_lib.delay_rule(c)  # A DelayRule gives the engine each step's delays as data.
-  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
-                                backend=c.backend, with_model_state=model_state is not None)
-  replicated = NamedSharding(mesh, P())
-  return Runner(
-      init=lambda: jax.device_put(step.init(params, model_state), replicated),
-      step=step,
-      variables=lambda s: {"params": s.params, **(s.model_state or {})})
-
-
-def _executed_runner(c, module, tx, variables, mesh) -> Runner:
-  """``parallelism=model`` (cdpjax.pipeline) or ``zero`` (cdpjax.zero), with any processes.
-
-  Both steps take ``to_global``'s batch, sharded over the mesh axis (``model``
-  gathers it onto every stage device), and return metrics that every process
-  can read.
-  """
-  if c.model != "residual_mlp":
-    raise ValueError(
-        f"parallelism={c.parallelism!r} runs models built of identical blocks; {c.model!r} is "
-        "not one. Use --config.model=residual_mlp or --config.parallelism=data.")
-  num_blocks = c.model_kwargs.num_blocks
-  params = variables["params"]
-  step = module.make_train_step(tx, rule=c.rule, mesh=mesh, num_blocks=num_blocks)
-  return Runner(
-      init=lambda: module.init_state(params, tx, rule=c.rule, mesh=mesh, num_blocks=num_blocks),
-      step=step,
-      variables=lambda s: {"params": module.current_params(s)})
+  executor = executor_lib.build(
+      c.parallelism, model, tx, params=params, model_state=model_state,
+      stage_ids=model_stage_ids(c, model, params, sample), sample_input=sample,
+      rule=config_lib.delay_rule(c),  # A DelayRule gives the engine each step's delays as data.
+      mesh=mesh, loss_fn=cross_entropy, backend=c.backend)
+  if jax.process_index() == 0:
+    print(f"cdpjax: {executor.plan.describe()}", flush=True)
+  return Runner(init=lambda: executor.init(params, model_state), step=executor.step,
+                variables=executor.variables, executor=executor)
 
 
 def make_mesh(c: ml_collections.ConfigDict):
@@ -169,16 +151,6 @@ def make_mesh(c: ml_collections.ConfigDict):
   devices = [d for p in range(count) for d in jax.local_devices(process_index=p)[:per_process]]
   # Not jax.make_mesh: on TPU it may reorder devices across processes.
   return jax.sharding.Mesh(np.array(devices), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
-
-
-def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
-  if c.parallelism == "data":
-    return _data_runner(c, model, tx, variables, sample, mesh)
-  if c.parallelism == "model":
-    from cdpjax import pipeline  # pylint: disable=g-import-not-at-top
-    return _executed_runner(c, pipeline, tx, variables, mesh)
-  from cdpjax import zero  # pylint: disable=g-import-not-at-top
-  return _executed_runner(c, zero, tx, variables, mesh)
 
 
 def make_eval_fn(model, mesh):

@@ -1,0 +1,423 @@
+"""Executed pipeline timetables: CDP with model parallelism, GPipe and DP+MP.
+
+Any model that `staged.stage_model` cuts into ``J`` stages runs over the mesh
+axis ``stage``: device ``j`` holds stage ``j`` as flat buffers (`staged`):
+its parameter versions, optimizer state and model state (BatchNorm
+statistics), rows of ``[J, ...]`` state arrays sharded over ``stage``.
+
+Each device runs one event per slot, from `plan`: idle, a stage forward or a
+stage backward. Activations move ``j -> j+1`` and cotangents ``j -> j-1`` by
+``lax.ppermute``. A stage stashes only its input; its backward recomputes the
+stage forward with ``jax.vjp`` at the version its forward read, and adds the
+weight gradient to a running accumulator that never leaves the device.
+
+Timetables (``N`` micro-batches of ``b`` rows per step, ``K`` steps per call):
+
+- ``cyclic``: CDP, ``N = J``. Micro-batch ``i`` of step ``t`` is worker ``i``
+  of ``schedule.timeline``: device ``j`` runs a forward when ``s - j`` is even
+  and a backward when it is odd. A stage's update is applied on its device
+  right after its ``N``-th backward of the step; a forward reads
+  ``theta^j_{t - d[i, j]}`` from the ``D+1`` newest versions. No flush between
+  steps.
+- ``gpipe``: all ``N`` forwards, all ``N`` backwards, the update, a flush.
+- ``dp+mp``: ``N`` replicas (mesh axis ``data``) of ``J`` stages, one
+  micro-batch each, gradients all-reduced over ``data``.
+
+Model state: each forward computes the stage's new statistics from the
+stage's statistics of step ``t``; their mean over the step's ``N`` micro-batches
+becomes the statistics of step ``t+1``, as the engine averages them. On the
+cyclic timetable this happens after the stage's ``N``-th forward, which every
+forward of step ``t+1`` follows.
+
+One call runs ``K`` steps in one ``lax.scan`` over slots; the pipeline fills at
+the start of a call and drains at its end. Between calls the state is the
+engine's, ``(theta_t, ..., theta_{t-D})`` and the optimizer state, so the
+numbers equal ``engine.make_train_step`` step by step for every ``K``.
+
+The optimizer runs per stage on one flat vector, so it must act elementwise
+(``sgd``, ``adam``, weight decay): a global-norm clip would see one stage only.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cdpjax import executor as executor_lib
+from cdpjax import schedule
+from cdpjax.executed import plan as plan_lib
+from cdpjax.executed.plan import BWD, FWD, IDLE
+from cdpjax.executed.staged import StagedModel, vary as _vary
+
+TIMETABLES = ("cyclic", "gpipe", "dp+mp")
+STAGE_AXIS = "stage"
+DATA_AXIS = "data"
+
+
+class StagedState(NamedTuple):
+  """The state of an executed timetable; every leaf but ``step`` leads with a stage axis.
+
+  Attributes:
+    step: int32 scalar, the number of updates applied so far (``t``).
+    params: ``theta_t``, ``[J, P]`` (flat stages, `staged`).
+    stale_params: ``(theta_{t-1}, ..., theta_{t-D})``, each ``[J, P]``.
+    opt_state: the optax state of each stage, stacked on the stage axis.
+    model_state: ``[J, M]``, each stage's model state; None for a model without one.
+  """
+  step: jax.Array
+  params: Any
+  stale_params: tuple
+  opt_state: Any
+  model_state: Any
+
+  @property
+  def versions(self) -> tuple:
+    """``(theta_t, theta_{t-1}, ..., theta_{t-D})``."""
+    return (self.params,) + tuple(self.stale_params)
+
+
+def replicated(x):
+  """``x`` copied to every device of its mesh (readable on every process), if on a mesh."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    return jax.device_put(x, NamedSharding(sharding.mesh, P()))
+  return x
+
+
+def variables(state, staged: StagedModel) -> dict:
+  """``theta_t`` and the model state as flax variables (evaluation, checkpoints)."""
+  return staged.unpack(jax.device_get(replicated(state.params)),
+                       jax.device_get(jax.tree.map(replicated, state.model_state)))
+
+
+def _stage_axis_size(mesh: Mesh) -> int:
+  if STAGE_AXIS not in mesh.axis_names:
+    raise ValueError(
+        f"The mesh has axes {tuple(mesh.axis_names)} but no axis {STAGE_AXIS!r}: build it with "
+        f"jax.make_mesh((J,), ({STAGE_AXIS!r},)), or jax.make_mesh((N, J), "
+        f"({DATA_AXIS!r}, {STAGE_AXIS!r})) for dp+mp.")
+  return int(mesh.shape[STAGE_AXIS])
+
+
+def _state_sharding(mesh: Mesh, state: StagedState):
+  stage = NamedSharding(mesh, P(STAGE_AXIS))
+  return StagedState(NamedSharding(mesh, P()), *[jax.tree.map(lambda _: stage, part)
+                                                 for part in state[1:]])
+
+
+def init_state(staged: StagedModel, params, tx: optax.GradientTransformation, *, rule,
+               mesh: Mesh, model_state=None) -> StagedState:
+  """The state at ``t = 0`` on ``mesh``; every stale version is ``theta_0``.
+
+  Args:
+    staged: the model cut into ``J`` stages (`staged.stage_model`).
+    params: the flax ``params``.
+    tx: the optimizer; its state is built per stage.
+    rule: a rule name of ``schedule.RULES`` or a delay matrix; it fixes ``D``.
+    mesh: a mesh with axis ``stage`` (``J`` devices), and ``data`` for dp+mp.
+    model_state: the model's other collections (``{"batch_stats": ...}``), or None.
+  """
+  num_stages = _stage_axis_size(mesh)
+  if staged.num_stages != num_stages:
+    raise ValueError(f"The model is cut into {staged.num_stages} stages, the mesh axis "
+                     f"{STAGE_AXIS!r} has {num_stages} devices: use as many stages as devices.")
+  params_JxP, state_JxM = (jnp.asarray(a) for a in staged.pack(params, model_state))
+  stale = tuple(jnp.array(params_JxP) for _ in range(schedule.max_delay(rule)))
+  state = StagedState(jnp.zeros((), jnp.int32), params_JxP, stale, jax.vmap(tx.init)(params_JxP),
+                      state_JxM if staged.state_size else None)
+  return jax.device_put(state, _state_sharding(mesh, state))
+
+
+def _permute(pairs, axes):
+  """``ppermute`` over ``stage`` along ``pairs``; devices outside them receive zeros."""
+  if not pairs:
+    return lambda x: _vary(jnp.zeros_like(x), axes)
+  return lambda x: jax.lax.ppermute(x, STAGE_AXIS, pairs)
+
+
+class _Slot(NamedTuple):
+  """The scan carry: state rows of this device and the in-flight work."""
+  versions_VxP: Any  # Ring buffer: theta_{t-v} is row (head + v) % V.
+  head: Any
+  opt_state: Any
+  model_state_M: Any
+  acc_P: Any         # This step's weight-gradient sum.
+  new_state_M: Any   # This step's sum of new model states.
+  stash_SxA: Any     # Stage inputs awaiting their backward.
+  recv_A: Any
+  loss_K: Any
+  grad_sq_K: Any
+  param_sq_K: Any
+
+
+def _branches(staged: StagedModel, axes):
+  """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
+
+  Operands ``(carry, event, stage, x, labels)``; results ``(send, stash, acc,
+  new_state, loss)``. The version is read inside the branch that uses it, so
+  no branch result holds a parameter buffer.
+  """
+  def read(carry, event):
+    row = (carry.head + event.version) % carry.versions_VxP.shape[0]
+    return _vary(jax.lax.dynamic_index_in_dim(carry.versions_VxP, row, keepdims=False), axes)
+
+  def finish(*results):
+    return _vary(results, axes)
+
+  def idle(ops):
+    carry, _, _, _, _ = ops
+    return finish(jnp.zeros_like(carry.recv_A), carry.stash_SxA, carry.acc_P, carry.new_state_M,
+                  jnp.zeros((), jnp.float32))
+
+  def forward(ops):
+    carry, event, stage, x, labels = ops
+    h, loss, new_state = staged.apply(stage, read(carry, event), carry.model_state_M,
+                                      carry.recv_A, x, labels)
+    stash = carry.stash_SxA.at[event.stash].set(carry.recv_A)
+    return finish(h, stash, carry.acc_P, carry.new_state_M + new_state, loss)
+
+  def backward(ops):
+    carry, event, stage, x, labels = ops
+    grads, send = staged.vjp(stage, read(carry, event), carry.model_state_M,
+                             carry.stash_SxA[event.stash], x, labels, carry.recv_A)
+    return finish(send, carry.stash_SxA, carry.acc_P + grads, carry.new_state_M,
+                  jnp.zeros((), jnp.float32))
+
+  return [idle, forward, backward]
+
+
+class _Timetable(NamedTuple):
+  """Static facts of one timetable on one mesh."""
+  name: str
+  axes: tuple
+  num_stages: int
+  num_micro: int    # N: micro-batches per step.
+  per_replica: int  # Micro-batches per pipeline (1 for dp+mp).
+  num_steps: int    # K.
+
+  @property
+  def per_step(self) -> int:  # GPipe's slots per step.
+    return 2 * (self.per_replica + self.num_stages - 1)
+
+  @property
+  def num_slots(self) -> int:
+    if self.name == "cyclic":
+      return plan_lib.cyclic_slots(self.num_stages, self.num_steps)
+    return self.num_steps * self.per_step
+
+  def event(self, slot, delays):
+    j = jax.lax.axis_index(STAGE_AXIS)
+    if self.name == "cyclic":
+      return plan_lib.cyclic_event(slot, j, delays, self.num_steps, xp=jnp)
+    worker0 = jax.lax.axis_index(DATA_AXIS) if self.name == "dp+mp" else 0
+    return plan_lib.gpipe_event(slot, j, delays, num_micro=self.per_replica,
+                                num_steps=self.num_steps, worker0=worker0, xp=jnp)
+
+  def permutes(self):
+    """The two ``ppermute`` pair lists and, per slot, which one runs."""
+    if self.name == "cyclic":
+      return ((plan_lib.swap_pairs(self.num_stages, 0), plan_lib.swap_pairs(self.num_stages, 1)),
+              lambda slot: slot % 2 == 0)
+    shifts = tuple([(s, s + d) for s in range(self.num_stages) if 0 <= s + d < self.num_stages]
+                   for d in (1, -1))
+    return shifts, lambda slot: slot % self.per_step < self.per_step // 2
+
+
+def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
+  """The per-device ``K``-step body for ``shard_map``."""
+  branches = _branches(staged, tt.axes)
+  permutes, first_permute = tt.permutes()
+  stateful = staged.state_size > 0
+
+  def update(carry: _Slot, step):
+    """The stage's optimizer update (and flushed timetables' model-state update)."""
+    grads, new_state = carry.acc_P, carry.new_state_M
+    if tt.name == "dp+mp":
+      grads = jax.lax.psum(grads, DATA_AXIS)
+    grads = grads / tt.num_micro
+    num_versions = carry.versions_VxP.shape[0]
+    params = carry.versions_VxP[carry.head]
+    updates, opt_state = tx.update(grads, carry.opt_state, params)
+    params = optax.apply_updates(params, updates)
+    head = (carry.head - 1) % num_versions  # The oldest version's row takes theta_{t+1}.
+    model_state = carry.model_state_M
+    if stateful and tt.name != "cyclic":
+      if tt.name == "dp+mp":
+        new_state = jax.lax.psum(new_state, DATA_AXIS)
+      model_state = new_state / tt.num_micro
+      new_state = jnp.zeros_like(new_state)
+    return carry._replace(
+        versions_VxP=carry.versions_VxP.at[head].set(params), head=head, opt_state=opt_state,
+        model_state_M=model_state, acc_P=_vary(jnp.zeros_like(carry.acc_P), tt.axes),
+        new_state_M=_vary(new_state, tt.axes),
+        grad_sq_K=carry.grad_sq_K.at[step].set(_vary(jnp.sum(jnp.square(grads)), tt.axes)),
+        param_sq_K=carry.param_sq_K.at[step].set(_vary(jnp.sum(jnp.square(params)), tt.axes)))
+
+  def slot_body(carry: _Slot, slot, x_KxMx, labels_KxMxb):
+    event = tt.event(slot, delays)
+    stage = jax.lax.axis_index(STAGE_AXIS)
+    send, stash, acc, new_state, loss = jax.lax.switch(
+        event.kind, branches,
+        (carry, event, stage, x_KxMx[event.step, event.micro], labels_KxMxb[event.step, event.micro]))
+    carry = carry._replace(stash_SxA=stash, acc_P=acc, new_state_M=new_state,
+                           loss_K=carry.loss_K.at[event.step].add(loss))
+    if stateful and tt.name == "cyclic":
+      # After the stage's N-th forward of the step: every later forward is of step t+1.
+      done = (event.kind == FWD) & (event.micro == tt.num_micro - 1)
+      carry = carry._replace(
+          model_state_M=jnp.where(done, carry.new_state_M / tt.num_micro, carry.model_state_M),
+          new_state_M=jnp.where(done, jnp.zeros_like(carry.new_state_M), carry.new_state_M))
+    carry = jax.lax.cond(event.then_update, lambda c: update(c, event.step), lambda c: c, carry)
+    # The permute of this slot's kind; a cond keeps one copy of the slot's compute.
+    recv = jax.lax.cond(first_permute(slot), *[_permute(pairs, tt.axes) for pairs in permutes],
+                        send)
+    return carry._replace(recv_A=recv), None
+
+  def body(state: StagedState, batch):
+    local = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    x, labels = batch["image"], batch["label"]
+    x_KxMx = x.reshape((tt.num_steps, tt.per_replica, -1) + x.shape[2:])
+    labels_KxMxb = labels.reshape(x_KxMx.shape[:3])
+    act = staged.act_size(jax.ShapeDtypeStruct(x_KxMx.shape[2:], x.dtype))
+    stash_size = max(tt.num_stages - 1, 1) if tt.name == "cyclic" else tt.per_replica
+    zeros_K = jnp.zeros((tt.num_steps,), jnp.float32)
+    model_state = (jnp.zeros((0,), jnp.float32) if state.model_state is None
+                   else local(state.model_state))
+    carry = _Slot(
+        versions_VxP=jnp.stack(local(state.versions)), head=jnp.zeros((), jnp.int32),
+        opt_state=local(state.opt_state), model_state_M=model_state,
+        acc_P=_vary(jnp.zeros_like(local(state.params)), tt.axes),
+        new_state_M=_vary(jnp.zeros_like(model_state), tt.axes),
+        stash_SxA=_vary(jnp.zeros((stash_size, act), jnp.float32), tt.axes),
+        recv_A=_vary(jnp.zeros((act,), jnp.float32), tt.axes),
+        loss_K=_vary(zeros_K, tt.axes), grad_sq_K=_vary(zeros_K, tt.axes),
+        param_sq_K=_vary(zeros_K, tt.axes))
+    carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, x_KxMx, labels_KxMxb), carry,
+                            jnp.arange(tt.num_slots))
+    num_versions = carry.versions_VxP.shape[0]
+    versions = carry.versions_VxP[(carry.head + jnp.arange(num_versions)) % num_versions]
+    glob = lambda tree: jax.tree.map(lambda a: a[None], tree)
+    new_state = StagedState(state.step + tt.num_steps, glob(versions[0]),
+                            tuple(glob(v) for v in versions[1:]), glob(carry.opt_state),
+                            None if state.model_state is None else glob(carry.model_state_M))
+    lead = (None,) * len(tt.axes)
+    return new_state, (carry.loss_K[lead], carry.grad_sq_K[lead], carry.param_sq_K[lead])
+
+  return body
+
+
+def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, rule, mesh: Mesh,
+                    timetable: str | None = None, scan_steps: int | None = None,
+                    num_micro_batches: int | None = None,
+                    donate: bool = True) -> executor_lib.Executor:
+  """The executed pipeline of ``staged`` behind the executor contract.
+
+  Args:
+    staged: the model cut into ``J`` stages (`staged.stage_model`).
+    tx: an elementwise optax optimizer.
+    rule: a name of ``schedule.RULES`` or an ``(N, J)`` delay matrix.
+    mesh: axis ``stage`` of ``J`` devices; for ``dp+mp`` also axis ``data`` of
+      ``N`` replicas.
+    timetable: ``cyclic`` (CDP, ``N = J``), ``gpipe`` or ``dp+mp``; by default
+      the rule's (`executor.resolve`): ``gpipe`` for ``dp``, else ``cyclic``.
+    scan_steps: if ``K``, one call runs ``K`` steps; batch leaves are then
+      ``[K, N*b, ...]`` and metrics gain a leading ``K`` axis.
+    num_micro_batches: ``N`` for ``gpipe`` (default ``J``); ``cyclic`` needs ``J``.
+    donate: donate the input state's buffers.
+
+  Returns:
+    An ``Executor``. ``step(state, batch)`` takes ``{"image": [N*b, ...],
+    "label": [N*b]}`` (micro-batch ``i`` = rows ``i*b:(i+1)*b``), host arrays
+    or global ``jax.Array``s of any sharding: they are placed replicated on
+    the stage devices (split over ``data`` for dp+mp). Metrics leave the
+    compiled step sharded and are copied to every device after it, so the step
+    itself communicates by collective-permutes only (plus dp+mp's gradient
+    all-reduce).
+  """
+  if scan_steps is not None and (int(scan_steps) != scan_steps or scan_steps < 1):
+    raise ValueError(f"scan_steps must be a positive int or None, got {scan_steps!r}.")
+  num_stages = _stage_axis_size(mesh)
+  if staged.num_stages != num_stages:
+    raise ValueError(f"The model is cut into {staged.num_stages} stages, the mesh axis "
+                     f"{STAGE_AXIS!r} has {num_stages} devices: use as many stages as devices.")
+  if timetable == "dp+mp":
+    if DATA_AXIS not in mesh.axis_names:
+      raise ValueError(f"dp+mp needs a mesh with axes ({DATA_AXIS!r}, {STAGE_AXIS!r}), got "
+                       f"{tuple(mesh.axis_names)}: jax.make_mesh((N, J), ('data', 'stage')).")
+    num_micro, per_replica, axes = int(mesh.shape[DATA_AXIS]), 1, (DATA_AXIS, STAGE_AXIS)
+  else:
+    num_micro = num_stages if num_micro_batches is None else int(num_micro_batches)
+    per_replica, axes = num_micro, (STAGE_AXIS,)
+  if num_micro < 1:
+    raise ValueError(f"num_micro_batches must be >= 1, got {num_micro}.")
+  plan = _resolve(rule, timetable, num_micro, num_stages)
+  tt = _Timetable(plan.timetable, axes, num_stages, num_micro, per_replica, scan_steps or 1)
+  body = _make_body(staged, tx, plan.delays, tt)
+  state_spec = StagedState(P(), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS))
+  batch_spec = P(None, DATA_AXIS) if tt.name == "dp+mp" else P()
+  run = jax.jit(
+      jax.shard_map(body, mesh=mesh, in_specs=(state_spec, batch_spec),
+                    out_specs=(state_spec, P(*axes))),
+      donate_argnums=(0,) if donate else ())
+
+  def prepare(state: StagedState, batch):
+    executor_lib.check_versions(state, plan)
+    if not isinstance(batch, dict) or set(batch) != {"image", "label"}:
+      raise ValueError("The batch must be a dict with keys 'image' [N*b, ...] and 'label' [N*b].")
+    batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
+    if scan_steps is None:
+      batch = {k: v[None] for k, v in batch.items()}
+    elif any(v.ndim < 2 or v.shape[0] != scan_steps for v in batch.values()):
+      raise ValueError(f"With scan_steps={scan_steps} batch leaves need shape "
+                       f"[{scan_steps}, N*b, ...]; got {[v.shape for v in batch.values()]}.")
+    rows = batch["image"].shape[1]
+    if batch["label"].shape != (tt.num_steps, rows):
+      raise ValueError(f"label must have shape [N*b] matching image rows {rows}; got "
+                       f"{batch['label'].shape}.")
+    if rows % num_micro or rows == 0:
+      raise ValueError(f"Batch size {rows} is not divisible by the N={num_micro} micro-batches: "
+                       "use N * b rows (micro-batch i = rows i*b:(i+1)*b).")
+    state = jax.device_put(state, _state_sharding(mesh, state))
+    return state, jax.device_put(batch, NamedSharding(mesh, batch_spec))
+
+  def finish(raw):
+    # Per device [J, K], or [N, J, K] for dp+mp; replicated outside the step, so the
+    # step itself holds no collective for its metrics.
+    loss, grad_sq, param_sq = jax.tree.map(replicated, raw)
+    if tt.name == "dp+mp":
+      loss, grad_sq, param_sq = jnp.sum(loss[:, -1], axis=0), grad_sq[0], param_sq[0]
+    else:
+      loss = loss[-1]
+    metrics = {"loss": loss / num_micro, "grad_norm": jnp.sqrt(jnp.sum(grad_sq, axis=0)),
+               "grad_norm_per_stage": jnp.sqrt(grad_sq.T),
+               "param_norm": jnp.sqrt(jnp.sum(param_sq, axis=0))}
+    return metrics if scan_steps else jax.tree.map(lambda m: m[0], metrics)
+
+  def step(state, batch):
+    state, raw = run(*prepare(state, batch))
+    return state, finish(raw)
+
+  return executor_lib.Executor(
+      init=lambda params, model_state=None: init_state(staged, params, tx, rule=rule, mesh=mesh,
+                                                       model_state=model_state),
+      step=step, variables=lambda state: variables(state, staged),
+      lower=lambda state, batch: run.lower(*prepare(state, batch)), plan=plan)
+
+
+def _resolve(rule, timetable, num_micro, num_stages) -> executor_lib.RulePlan:
+  """The rule's plan; an explicit ``timetable`` must be able to run it."""
+  if timetable is None or timetable == "cyclic":
+    plan = executor_lib.resolve(rule, "model", num_micro, num_stages)
+    if timetable == "cyclic" and plan.timetable != "cyclic":
+      raise ValueError(
+          f"Rule {rule!r} has no delays and is not causal on the cyclic timetable: use "
+          "timetable='gpipe' (or leave timetable unset) for dp.")
+    return plan
+  if timetable not in TIMETABLES:
+    raise ValueError(f"Unknown timetable {timetable!r}: use one of {TIMETABLES}.")
+  delays = schedule.resolve(rule, num_micro, num_stages)
+  return executor_lib.RulePlan(rule, "model", delays, schedule.max_delay(rule), timetable)

@@ -1,0 +1,238 @@
+"""Static slot plans of the executed schedules: what each device does and sends, slot by slot.
+
+numpy first (no JAX import): the event functions take ``xp`` (numpy to list and
+count, ``jax.numpy`` inside a compiled step), so the executors, the benchmarks
+and the tests read one plan.
+
+- Pipeline (mesh axis ``stage``): ``cyclic_event`` and ``gpipe_event`` give a
+  device's ``SlotEvent`` at a slot; ``executed_events`` lists a whole call as
+  ``schedule.Event``s, comparable with ``schedule.timeline``.
+- ZeRO (mesh axis ``data``): ``cyclic_transfers`` lists the stage buffers sent
+  point to point in one cyclic step; ``slot_traffic`` counts their bytes.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from cdpjax import schedule as schedule_lib
+
+IDLE, FWD, BWD = 0, 1, 2
+
+
+class SlotEvent(NamedTuple):
+  """What one device does in one slot.
+
+  Attributes:
+    kind: ``IDLE``, ``FWD`` or ``BWD``.
+    step: local step ``t`` of the call (0 when idle).
+    micro: micro-batch ``i`` within its step (0 when idle).
+    num_updates: updates applied to this stage in this call before the slot.
+    version: which of the ``D+1`` newest versions the event uses (0 = newest).
+    stash: the stash entry of this micro-batch's stage input.
+    then_update: whether the stage is updated right after this event.
+  """
+  kind: Any
+  step: Any
+  micro: Any
+  num_updates: Any
+  version: Any
+  stash: Any
+  then_update: Any
+
+
+def cyclic_slots(num_stages: int, num_steps: int) -> int:
+  """Slots of a ``K``-step cyclic call: ``2J(K+1) - 2`` (the last backward ends it)."""
+  return 2 * num_stages * (num_steps + 1) - 2
+
+
+def cyclic_event(slot, stage, delays, num_steps: int, xp=np) -> SlotEvent:
+  """The cyclic CDP schedule (``N = J``) at ``slot`` on device ``stage``.
+
+  Micro-batch ``m = J t + i`` runs the forward of stage ``j`` at ``2m + j`` and
+  its backward at ``2m + 2J-1-j``; stage ``j`` of step ``t`` is updated after
+  its last backward, at slot ``2Jt + 4J-3-j``.
+  """
+  num_stages = delays.shape[1]
+  period = 2 * num_stages
+  forward = (slot - stage) % 2 == 0
+  m = xp.where(forward, (slot - stage) // 2, (slot + stage + 1 - period) // 2)
+  valid = (m >= 0) & (m < num_stages * num_steps)
+  m = xp.where(valid, m, 0)
+  step, micro = m // num_stages, m % num_stages
+  updates = xp.clip((slot - (2 * period - 3 - stage) + period - 1) // period, 0, num_steps)
+  version = updates - step + xp.asarray(delays)[micro, stage]
+  return SlotEvent(
+      kind=xp.where(valid, xp.where(forward, FWD, BWD), IDLE), step=step, micro=micro,
+      num_updates=updates, version=version, stash=m % max(num_stages - 1, 1),
+      then_update=valid & ~forward & (micro == num_stages - 1))
+
+
+def gpipe_event(slot, stage, delays, *, num_micro: int, num_steps: int, worker0=0,
+                xp=np) -> SlotEvent:
+  """GPipe at ``slot`` on device ``stage``: ``2(M+J-1)`` slots per step.
+
+  Micro-batch ``i`` of step ``t`` runs the forward of stage ``j`` at slot
+  ``r = i + j`` of the step and its backward at ``r = (M+J-1) + i + (J-1-j)``;
+  every stage is updated at the end of the step's last slot, then the pipeline
+  is empty (the flush). ``worker0`` is the delay-matrix row of micro-batch 0
+  (the replica, for ``dp+mp``).
+  """
+  num_stages = delays.shape[1]
+  phase = num_micro + num_stages - 1
+  step, r = slot // (2 * phase), slot % (2 * phase)
+  forward = r < phase
+  micro = xp.where(forward, r - stage, r - phase - (num_stages - 1 - stage))
+  valid = (micro >= 0) & (micro < num_micro) & (step < num_steps)
+  micro = xp.where(valid, micro, 0)
+  step = xp.clip(step, 0, num_steps - 1)
+  return SlotEvent(
+      kind=xp.where(valid, xp.where(forward, FWD, BWD), IDLE), step=step, micro=micro,
+      num_updates=step, version=xp.asarray(delays)[worker0 + micro, stage], stash=micro,
+      then_update=r == 2 * phase - 1)
+
+
+def executed_events(timetable: str, rule, num_stages: int, num_steps: int,
+                    num_micro_batches: int | None = None) -> list[schedule_lib.Event]:
+  """The events a ``K``-step call executes, as ``schedule.Event``s sorted by time.
+
+  Versions are global step indices (``theta_{-1} := theta_0`` shows as 0), so
+  the cyclic events can be compared with ``schedule.timeline``. For ``dp+mp``,
+  ``worker`` is the replica.
+  """
+  num_micro = num_stages if num_micro_batches is None else num_micro_batches
+  delays = schedule_lib.resolve(rule, num_micro, num_stages)
+  stages = np.arange(num_stages)[None, :]
+  rows = []  # (slot, worker, step, stage, kind, version) arrays.
+  if timetable == "cyclic":
+    slots = np.arange(cyclic_slots(num_stages, num_steps))[:, None]
+    ev = cyclic_event(slots, stages, delays, num_steps)
+    rows.append((slots, ev.micro, ev.step, ev.kind, ev.num_updates - ev.version))
+  else:
+    per_replica = 1 if timetable == "dp+mp" else num_micro
+    slots = np.arange(num_steps * 2 * (per_replica + num_stages - 1))[:, None]
+    for r in range(num_micro // per_replica):
+      ev = gpipe_event(slots, stages, delays, num_micro=per_replica, num_steps=num_steps,
+                       worker0=r * per_replica)
+      rows.append((slots, ev.micro + r * per_replica, ev.step, ev.kind, ev.step - ev.version))
+  events = []
+  for slots, worker, step, kind, version in rows:
+    slots, worker, step, kind, version = np.broadcast_arrays(slots, worker, step, kind, version)
+    for s, j in zip(*np.nonzero(kind != IDLE)):
+      events.append(schedule_lib.Event(
+          int(slots[s, j]), int(worker[s, j]), int(step[s, j]), int(j),
+          "fwd" if kind[s, j] == FWD else "bwd", max(int(version[s, j]), 0)))
+  return sorted(events)
+
+
+def swap_pairs(num_stages: int, parity: int) -> list[tuple[int, int]]:
+  """The cyclic schedule's ``ppermute`` at slots of ``parity``.
+
+  Devices ``j = parity (mod 2)`` ran a forward and send to ``j+1``; the others ran
+  a backward and send to ``j-1``: disjoint swaps of neighbours.
+  """
+  pairs = []
+  for j in range(parity, num_stages - 1, 2):
+    pairs += [(j, j + 1), (j + 1, j)]
+  return pairs
+
+
+class Transfer(NamedTuple):
+  """One point-to-point message of the cyclic step: a whole stage buffer.
+
+  Attributes:
+    slot: the message is delivered before this slot's compute.
+    kind: ``"param"`` or ``"grad"``.
+    src: sending worker.
+    dst: receiving worker.
+    stage: ``j``.
+    route: ``"ring"`` (from ``dst - 1``, which used or summed the buffer 2 slots
+      earlier), ``"owner"`` (a parameter version from the owner) or ``"final"``
+      (worker ``N-1`` hands the tail chain's sum to the owner).
+    delay: for ``"owner"`` messages, which version ``theta_{t - delay}`` is sent.
+  """
+  slot: int
+  kind: str
+  src: int
+  dst: int
+  stage: int
+  route: str
+  delay: int
+
+
+def work_slot(worker: int, phase: int) -> int:
+  """Slot of a worker's ``phase``-th stage op (``o_i = i * 2J/N = 2i`` for ``N = J``)."""
+  return 2 * worker + phase
+
+
+def cyclic_transfers(delays) -> list[Transfer]:
+  """Every message of one cyclic step for an ``(N, N)`` delay matrix, by slot."""
+  delays = np.asarray(delays)
+  num_workers, num_stages = delays.shape
+  owner = [num_stages - 1 - j for j in range(num_stages)]
+  out = []
+  for i in range(num_workers):
+    for phase in range(2 * num_stages):
+      s = work_slot(i, phase)
+      j = phase if phase < num_stages else 2 * num_stages - 1 - phase
+      d, o = int(delays[i, j]), owner[j]
+      if i != o and i > 0 and delays[i - 1, j] == d:
+        out.append(Transfer(s, "param", i - 1, i, j, "ring", d))
+      elif i != o:
+        out.append(Transfer(s, "param", o, i, j, "owner", d))
+      if phase >= num_stages:
+        if 1 <= i <= o or i >= o + 2:
+          out.append(Transfer(s, "grad", i - 1, i, j, "ring", 0))
+        if i == num_workers - 1 and o != i:
+          out.append(Transfer(s + 1, "grad", i, o, j, "final", 0))
+  return sorted(out)
+
+
+def _permutations(transfers) -> list[list[Transfer]]:
+  """Splits same-operand transfers into groups with distinct sources and targets."""
+  groups: list[list[Transfer]] = []
+  for t in transfers:
+    for g in groups:
+      if all(t.src != u.src and t.dst != u.dst for u in g):
+        g.append(t)
+        break
+    else:
+      groups.append([t])
+  return groups
+
+
+def slot_traffic(timetable: str, num_workers: int, stage_bytes: int,
+                 rule="cdp-v2") -> dict[str, int]:
+  """Bytes received per slot of one step, from the plan (balance figures).
+
+  A cyclic transfer moves one stage buffer (``stage_bytes``); a ZeRO-3
+  all-gather or reduce-scatter of a stage moves ``(N-1)/N`` of it per device,
+  the gathers at the stage's forward and backward slots, the reduce-scatter at
+  its backward slot.
+
+  Returns:
+    ``total_bytes`` (all devices), ``max_slot_bytes`` (all devices, busiest
+    slot), ``max_slot_bytes_per_device`` (busiest device and slot) and
+    ``num_slots``.
+  """
+  delays = schedule_lib.resolve(rule, num_workers, num_workers)
+  inbound = defaultdict(int)  # (slot, device) -> bytes.
+  if timetable == "cyclic":
+    for t in cyclic_transfers(delays):
+      inbound[t.slot, t.dst] += stage_bytes
+  else:
+    share = stage_bytes * (num_workers - 1) // num_workers
+    for j in range(num_workers):
+      gathers = len(set(delays[:, j].tolist())) * share
+      for device in range(num_workers):
+        inbound[j, device] += gathers
+        inbound[2 * num_workers - 1 - j, device] += gathers + share
+  per_slot = defaultdict(int)
+  for (slot, _), size in inbound.items():
+    per_slot[slot] += size
+  return {"total_bytes": sum(per_slot.values()),
+          "max_slot_bytes": max(per_slot.values(), default=0),
+          "max_slot_bytes_per_device": max(inbound.values(), default=0),
+          "num_slots": 1 + max(per_slot, default=-1)}

@@ -1,0 +1,340 @@
+"""A flax model cut into ``J`` stage functions over flat per-stage buffers.
+
+The executed schedules run one stage per device and slot, choosing the stage
+at run time (SPMD: every device runs one program). Stages of a ResNet differ
+in parameter and activation shapes, so every stage is given one common form:
+
+- its parameters (the units ``stage_ids`` puts on it) as one flat float32
+  vector, zero-padded to ``param_size``;
+- its model state (BatchNorm statistics) likewise, padded to ``state_size``;
+- the activation it hands to the next stage as one flat vector, padded to the
+  largest boundary, ``act_size(b)`` for micro-batches of ``b`` rows.
+
+A stage function is the flax model's own ``__call__``, run with a method
+interceptor (no copy of any layer): units of earlier stages are not run (the
+last one returns the incoming activation, the others placeholders whose
+results are dead code), units of later stages are not run, and the stage's
+output is what its last unit returned. The glue code between units (a
+reshape, a pooling, a ReLU) runs where the model puts it, in the stage of the
+unit that follows it. ``apply`` with a traced stage index is a ``lax.switch``
+over the ``J`` stage functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from cdpjax import stages as stages_lib
+
+
+def cross_entropy(logits, labels):
+  """Mean softmax cross-entropy with integer labels (the trainer's loss)."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class _Layout:
+  """Offsets of a stage's leaves in its flat buffer (leaves in sorted-key order)."""
+
+  def __init__(self, tree):
+    leaves, self.treedef = jax.tree.flatten(tree)
+    self.shapes = [tuple(np.shape(x)) for x in leaves]
+    for x in leaves:
+      if jnp.result_type(x) != jnp.float32:
+        raise ValueError(
+            f"The executed schedules keep stages as flat float32 buffers, but a leaf has dtype "
+            f"{jnp.result_type(x)}: use float32 parameters and states, or parallelism=data.")
+    self.size = sum(math.prod(s) for s in self.shapes)
+
+  def pack(self, tree, size: int) -> np.ndarray:
+    flat = np.zeros((size,), np.float32)
+    offset = 0
+    for leaf, shape in zip(jax.tree.leaves(tree), self.shapes):
+      flat[offset:offset + math.prod(shape)] = np.ravel(np.asarray(leaf, np.float32))
+      offset += math.prod(shape)
+    return flat
+
+  def unpack(self, flat):
+    leaves, offset = [], 0
+    for shape in self.shapes:
+      leaves.append(flat[offset:offset + math.prod(shape)].reshape(shape))
+      offset += math.prod(shape)
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _flatten_act(tree, size: int):
+  """Leaves of an activation pytree, raveled, concatenated and zero-padded to ``size``."""
+  flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])
+  return jnp.pad(flat, (0, size - flat.size))
+
+
+def _varying(tree) -> frozenset:
+  """The mesh axes any leaf of ``tree`` varies over (inside ``shard_map``)."""
+  return frozenset().union(*(jax.typeof(x).mat.varying for x in jax.tree.leaves(tree)))
+
+
+def vary(tree, axes):
+  """Marks every leaf varying over ``axes``, so branches and loop carries type-check."""
+  def cast(x):
+    missing = tuple(sorted(a for a in axes if a not in jax.typeof(x).mat.varying))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+  return jax.tree.map(cast, tree)
+
+
+def _unflatten_act(flat, spec):
+  leaves, treedef = jax.tree.flatten(spec)
+  out, offset = [], 0
+  for s in leaves:
+    out.append(flat[offset:offset + math.prod(s.shape)].reshape(s.shape).astype(s.dtype))
+    offset += math.prod(s.shape)
+  return jax.tree.unflatten(treedef, out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagedModel:
+  """``model`` cut into ``J`` stages; see the module docstring.
+
+  Built by `stage_model`. Hashed by identity, so it can be a static argument.
+
+  Attributes:
+    model: the flax module.
+    units: ``units[j]``, the top-level units of stage ``j`` in execution order.
+    param_size: ``P``, the flat length of every stage's parameters.
+    state_size: ``M``, the flat length of every stage's model state (0 if none).
+    loss_fn: ``loss_fn(outputs, labels) -> scalar``, on the model's outputs.
+    collections: the model-state collections (e.g. ``("batch_stats",)``).
+  """
+  model: nn.Module
+  units: tuple
+  param_size: int
+  state_size: int
+  loss_fn: Callable
+  collections: tuple
+  _param_layouts: tuple
+  _state_layouts: tuple
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.units)
+
+  def stage_param_sizes(self) -> list[int]:
+    """Unpadded parameter count of each stage."""
+    return [layout.size for layout in self._param_layouts]
+
+  # -- Host-side packing. -----------------------------------------------------
+
+  def pack(self, params, model_state=None) -> tuple[np.ndarray, np.ndarray]:
+    """``([J, P], [J, M])`` float32 host arrays in stage order."""
+    p = np.stack([layout.pack({u: params[u] for u in units}, self.param_size)
+                  for layout, units in zip(self._param_layouts, self.units)])
+    s = np.stack([layout.pack(self._stage_state(model_state, units), self.state_size)
+                  for layout, units in zip(self._state_layouts, self.units)])
+    return p, s
+
+  def unpack(self, params_JxP, state_JxM=None) -> dict:
+    """The flax variables ``{"params": ..., **model_state}`` of ``[J, P]`` (and ``[J, M]``)."""
+    params_JxP = np.asarray(params_JxP)
+    params, state = {}, {c: {} for c in self.collections}
+    for j, units in enumerate(self.units):
+      params.update(self._param_layouts[j].unpack(params_JxP[j]))
+      if self.state_size:
+        for c, tree in self._state_layouts[j].unpack(np.asarray(state_JxM)[j]).items():
+          state[c].update(tree)
+    return {"params": params, **state}
+
+  def _stage_state(self, model_state, units) -> dict:
+    return {c: {u: model_state[c][u] for u in units if u in model_state[c]}
+            for c in self.collections}
+
+  # -- Stage functions. -------------------------------------------------------
+
+  def boundary_specs(self, x_spec: jax.ShapeDtypeStruct) -> tuple:
+    """``specs[j]``: the activation stage ``j`` hands on (``None`` for the last stage)."""
+    outputs = self._unit_outputs(x_spec)
+    specs = tuple(outputs[units[-1]] for units in self.units[:-1])
+    for units, spec in zip(self.units, specs):
+      if any(leaf.dtype != jnp.float32 for leaf in jax.tree.leaves(spec)):
+        raise ValueError(
+            f"Unit {units[-1]!r} ends a stage with a non-float32 output {spec}; stage boundaries "
+            "must be float32 activations. Cut the stages elsewhere (another stage_ids).")
+    return specs + (None,)
+
+  def act_size(self, x_spec: jax.ShapeDtypeStruct) -> int:
+    """``A``: the largest boundary activation (flat), for micro-batches shaped ``x_spec``."""
+    sizes = [sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
+             for spec in self.boundary_specs(x_spec) if spec is not None]
+    return max(sizes, default=1)
+
+  def _stage_fn(self, stage: int, x_spec):
+    """``f(params_P, state_M, h_A, x, labels) -> (h_A, loss, state_M)`` of stage ``stage``."""
+    specs = self.boundary_specs(x_spec)
+    size = self.act_size(x_spec)
+    position = {u: (j, k) for j, units in enumerate(self.units) for k, u in enumerate(units)}
+    first, last = stage == 0, stage == self.num_stages - 1
+    param_layout, state_layout = self._param_layouts[stage], self._state_layouts[stage]
+
+    def f(params_P, state_M, h_A, x, labels):
+      h_in = None if first else _unflatten_act(h_A, specs[stage - 1])
+      captured = []
+      active = []
+
+      def intercept(next_fun, args, kwargs, context):
+        path = context.module.path
+        unit = path[0] if len(path) == 1 and path[0] in position else None
+        if unit is None or context.method_name == "setup" or path in active:
+          return next_fun(*args, **kwargs)
+        j, k = position[unit]
+        if j < stage or captured:
+          # Not this stage's: the stage input stands in for the previous stage's last unit;
+          # anything else is a placeholder whose uses are dead code.
+          if j == stage - 1 and k == len(self.units[j]) - 1:
+            return h_in
+          return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._unit_output(unit, x))
+        active.append(path)
+        try:
+          out = next_fun(*args, **kwargs)
+        finally:
+          active.pop()
+        if not last and k == len(self.units[stage]) - 1:
+          captured.append(out)
+        return out
+
+      variables = {"params": param_layout.unpack(params_P), **state_layout.unpack(state_M)}
+      with nn.intercept_methods(intercept):
+        if self.collections:
+          outputs, new_state = self.model.apply(variables, x, train=True,
+                                                mutable=list(self.collections))
+          new_state_M = (_flatten_act(new_state, self.state_size) if state_layout.size
+                         else state_M)
+        else:
+          outputs = self.model.apply(variables, x, train=True)
+          new_state_M = state_M
+      if last:
+        return jnp.zeros((size,), jnp.float32), self.loss_fn(outputs, labels), new_state_M
+      return _flatten_act(captured[0], size), jnp.zeros((), jnp.float32), new_state_M
+
+    return f
+
+  def _unit_output(self, unit, x):
+    return self._unit_outputs(jax.ShapeDtypeStruct(x.shape, x.dtype))[unit]
+
+  @functools.lru_cache(maxsize=None)
+  def _unit_outputs(self, x_spec) -> dict:
+    """Each top-level unit's output spec on inputs ``x_spec`` (an abstract run of the model)."""
+    outputs = {}
+
+    def record(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      path = context.module.path
+      if context.method_name == "__call__" and len(path) == 1:
+        outputs.setdefault(path[0], jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
+      return out
+
+    def run(x):
+      variables = self.model.init(jax.random.key(0), x, train=False)
+      with nn.intercept_methods(record):
+        return self.model.apply(variables, x, train=True, mutable=list(self.collections) or False)
+
+    jax.eval_shape(run, x_spec)
+    return outputs
+
+  def apply(self, stage, params_P, state_M, h_A, x, labels):
+    """Stage ``stage``'s forward: ``(h_A, loss, new_state_M)``.
+
+    ``loss`` is the mean loss of the micro-batch on the last stage, 0 elsewhere;
+    ``new_state_M`` the model state after the micro-batch (BatchNorm's running
+    averages), or ``state_M`` unchanged without model state. ``stage`` is a
+    Python int or a traced index (then a ``lax.switch`` over the stages).
+    """
+    x_spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if isinstance(stage, (int, np.integer)):
+      return self._stage_fn(int(stage), x_spec)(params_P, state_M, h_A, x, labels)
+    operands = (params_P, state_M, h_A, x, labels)
+    axes = _varying(operands) | _varying(stage)
+
+    def branch(j):
+      return lambda *ops: vary(self._stage_fn(j, x_spec)(*ops), axes)
+    return jax.lax.switch(stage, [branch(j) for j in range(self.num_stages)], *operands)
+
+  def vjp(self, stage, params_P, state_M, h_A, x, labels, cot_h_A):
+    """``(grad_P, cot_h_in_A)``: a stage's backward (recomputing its forward).
+
+    The loss enters with cotangent 1; ``cot_h_A`` is the cotangent of the
+    stage output (ignored on the last stage).
+    """
+    def f(p, h):
+      h_out, loss, _ = self.apply(stage, p, state_M, h, x, labels)
+      return h_out, loss
+    (h_out, loss), vjp = jax.vjp(f, params_P, h_A)
+    return vjp((cot_h_A, jnp.ones_like(loss)))
+
+
+def stage_model(model: nn.Module, params, stage_ids, sample_input, *, model_state=None,
+                loss_fn: Callable = cross_entropy, pad_to: int = 1) -> StagedModel:
+  """Cuts ``model`` into the stages of ``stage_ids``.
+
+  Args:
+    model: a flax module called as ``model.apply(variables, x, train=...)``.
+    params: its ``variables["params"]``.
+    stage_ids: the structure of ``params`` with an int stage on every leaf, as
+      `cdpjax.stages.partition` gives; every top-level unit on one stage, stages
+      contiguous in execution order.
+    sample_input: an input batch (any rows), to trace the execution order.
+    model_state: the other variable collections (``{"batch_stats": ...}``), or None.
+    loss_fn: ``loss_fn(outputs, labels)`` of the model's outputs.
+    pad_to: ``param_size`` is rounded up to a multiple of this (ZeRO-3 shards it).
+  """
+  if jax.tree.structure(stage_ids) != jax.tree.structure(params):
+    raise ValueError("stage_ids do not match params: give an int stage for every parameter leaf "
+                     "(cdpjax.stages.partition builds them).")
+  unit_stage = {}
+  for unit in params:
+    ids = {int(s) for s in jax.tree.leaves(stage_ids[unit])}
+    if len(ids) != 1:
+      raise ValueError(f"Unit {unit!r} is split over stages {sorted(ids)}: the executed schedules "
+                       "cut between top-level units. Use cdpjax.stages.partition.")
+    unit_stage[unit] = ids.pop()
+  num_stages = 1 + max(unit_stage.values())
+  calls = stages_lib._trace(  # pylint: disable=protected-access
+      model, (sample_input,), {"train": True}, stages_lib._default_rngs(None))[1]
+  shared = [u for u, unit_calls in calls.items() if len(unit_calls) > 1]
+  if shared:
+    raise ValueError(
+        f"Units {shared} are called more than once (shared weights); the executed timetables "
+        "run each unit on one stage once. Use parallelism='data' for this model.")
+  order = list(calls)
+  stage_seq = [unit_stage[u] for u in order]
+  if stage_seq != sorted(stage_seq) or set(stage_seq) != set(range(num_stages)):
+    raise ValueError(
+        f"Stages {stage_seq} (in execution order {order}) are not contiguous and non-empty: "
+        "stage j must be the j-th group of consecutive units. Use cdpjax.stages.partition.")
+  units = tuple(tuple(u for u in order if unit_stage[u] == j) for j in range(num_stages))
+  model_state = dict(model_state or {})
+  collections = tuple(sorted(model_state))
+  param_layouts = tuple(_Layout({u: params[u] for u in us}) for us in units)
+  state_layouts = tuple(_Layout({c: {u: model_state[c][u] for u in us if u in model_state[c]}
+                                 for c in collections}) for us in units)
+  param_size = max(layout.size for layout in param_layouts)
+  param_size = -(-param_size // pad_to) * pad_to
+  state_size = max(layout.size for layout in state_layouts)
+  return StagedModel(model, units, param_size, state_size, loss_fn, collections,
+                     param_layouts, state_layouts)
+
+
+def padding_report(staged: StagedModel, x_spec) -> dict:
+  """Bytes of the padded buffers against the unpadded stages (float32)."""
+  sizes = staged.stage_param_sizes()
+  acts = [sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
+          for spec in staged.boundary_specs(x_spec) if spec is not None]
+  return {"param_bytes": 4 * sum(sizes), "padded_param_bytes": 4 * staged.param_size * len(sizes),
+          "param_padding_ratio": staged.param_size * len(sizes) / sum(sizes),
+          "boundary_bytes": [4 * a for a in acts],
+          "padded_boundary_bytes": 4 * staged.act_size(x_spec)}

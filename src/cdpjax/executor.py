@@ -1,0 +1,220 @@
+"""One contract for every way of running a rule: the engine, the pipeline and ZeRO.
+
+An ``Executor`` is a NamedTuple of pure functions, in optax's style:
+
+- ``init(params, model_state=None) -> state``: the state at ``t = 0``;
+- ``step(state, batch) -> (state, metrics)``, metrics ``loss``, ``grad_norm``,
+  ``grad_norm_per_stage`` ``[J]`` and ``param_norm`` (of ``theta_{t+1}``);
+- ``variables(state)``: ``{"params": theta_t, **model_state}``, plain flax
+  variables readable on every process (evaluation, export);
+- ``lower(state, batch)``: the lowered step (StableHLO, memory, cost).
+
+``plan`` says what runs: the rule resolved once (`resolve`) into the delay
+matrix, the number of stale versions the state keeps and the executed
+timetable. Every state keeps ``step``, ``params``, ``stale_params`` and
+``opt_state``; a state whose stale versions do not fit the plan is refused by
+`check_versions`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from cdpjax import schedule
+
+PARALLELISMS = ("data", "model", "zero")
+TIMETABLES = {
+    # parallelism -> (timetable of rule dp, timetable of a cdp rule).
+    "data": ("lockstep", "lockstep"),
+    "model": ("gpipe", "cyclic"),
+    "zero": ("zero3", "cyclic"),
+}
+DESCRIPTIONS = {
+    ("data", "lockstep"): "the update-rule engine (data parallelism, replicated state)",
+    ("model", "gpipe"): "executed GPipe on the stage devices (all forwards, all backwards, flush)",
+    ("model", "cyclic"): "executed CDP + model parallelism (cyclic pipeline, no flush)",
+    ("model", "dp+mp"): "executed DP + MP (N replicas of the J-stage pipeline, all-reduce)",
+    ("zero", "zero3"): "executed ZeRO-3 (all-gather at use, reduce-scatter)",
+    ("zero", "cyclic"): "executed CDP + ZeRO (stages travel a ring of collective-permutes)",
+}
+
+
+class RulePlan(NamedTuple):
+  """A rule resolved once for one parallelism.
+
+  Attributes:
+    rule: the rule as given (a name of ``schedule.RULES`` or a delay matrix).
+    parallelism: ``data``, ``model`` or ``zero``.
+    delays: ``d``, int ``(N, J)``: worker ``i`` reads ``theta^j_{t - d[i, j]}``;
+      ``None`` for a ``schedule.DelayRule``, whose matrix changes every step.
+    num_stale: ``D``, the stale versions the state keeps.
+    timetable: what is executed: ``lockstep`` (the engine), ``gpipe`` or
+      ``zero3`` (the flushed baselines, for a rule without delays) or ``cyclic``;
+      ``dp+mp`` only when asked for by name.
+  """
+  rule: Any
+  parallelism: str
+  delays: np.ndarray
+  num_stale: int
+  timetable: str
+
+  def describe(self) -> str:
+    """One line for the log: the rule and what runs it."""
+    if isinstance(self.rule, schedule.DelayRule):
+      name, (n, j) = self.rule.name, (self.rule.num_workers, self.rule.num_stages)
+    else:
+      name = self.rule if isinstance(self.rule, str) else "a custom delay matrix"
+      n, j = self.delays.shape
+    return f"rule {name} (N={n}, J={j}) runs as {DESCRIPTIONS[self.parallelism, self.timetable]}"
+
+
+def resolve(rule, parallelism: str, num_workers: int, num_stages: int) -> RulePlan:
+  """Resolves ``rule`` for ``parallelism``: delays, stale versions and timetable.
+
+  A rule without delays (``dp``) runs GPipe under ``model`` and ZeRO-3 under
+  ``zero``: the cyclic timetable has no causal ``dp``. A delayed rule runs the
+  cyclic timetable there, which must be able to realise it (causal).
+  """
+  if parallelism not in PARALLELISMS:
+    raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
+  if isinstance(rule, schedule.DelayRule):  # New delays every step: only the engine runs them.
+    if parallelism != "data":
+      schedule.resolve(rule, num_workers, num_stages)  # Raises the error naming the fix.
+    return RulePlan(rule, parallelism, None, rule.max_delay, "lockstep")
+  delays = schedule.resolve(rule, num_workers, num_stages)
+  num_stale = schedule.max_delay(rule)
+  if delays.max(initial=0) > num_stale:
+    raise ValueError(f"The delay matrix needs {delays.max()} stale versions, the rule keeps "
+                     f"{num_stale}.")
+  flushed, cyclic = TIMETABLES[parallelism]
+  timetable = flushed if delays.max(initial=0) == 0 else cyclic
+  if parallelism != "data" and num_workers != num_stages:
+    raise ValueError(
+        f"parallelism={parallelism!r} runs N = J micro-batches; got N={num_workers}, "
+        f"J={num_stages}. Set num_workers equal to num_stages, or use parallelism='data'.")
+  if timetable == "cyclic" and not schedule.is_causal(rule, num_workers, num_stages):
+    raise ValueError(
+        f"Rule {rule!r} is not causal on the cyclic timetable: some forward would read a stage "
+        "version that is not updated yet. Use cdp-v1 or cdp-v2, dp (which runs "
+        f"{flushed}), or parallelism='data'.")
+  return RulePlan(rule, parallelism, delays, num_stale, timetable)
+
+
+def check_versions(state, plan: RulePlan) -> None:
+  """Refuses a state whose stale versions do not fit ``plan`` (ValueError naming the fix)."""
+  kept = len(state.stale_params)
+  if kept != plan.num_stale:
+    raise ValueError(
+        f"The state keeps {kept} stale parameter versions, but rule {plan.rule!r} needs "
+        f"{plan.num_stale}: build the state with the init of this executor (the same rule), "
+        "or use a fresh --workdir.")
+
+
+class Executor(NamedTuple):
+  """How one parallelism runs one rule; see the module docstring."""
+  init: Callable[..., Any]
+  step: Callable[[Any, Any], tuple]
+  variables: Callable[[Any], dict]
+  lower: Callable[[Any, Any], Any]
+  plan: RulePlan
+
+
+def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule, mesh,
+                    loss_fn: Callable, with_model_state: bool, backend: str = "shard_map",
+                    **_) -> Executor:
+  """The update-rule engine (``cdpjax.engine``) behind the executor contract.
+
+  ``loss_fn(outputs, labels)`` is applied to ``model.apply(variables, image,
+  train=True)``; with model state, new states are averaged over workers.
+  """
+  from cdpjax import engine  # pylint: disable=g-import-not-at-top
+
+  if with_model_state:
+    def worker_loss(p, state, batch):
+      outputs, new_state = model.apply({"params": p, **state}, batch["image"], train=True,
+                                       mutable=list(state))
+      return loss_fn(outputs, batch["label"]), new_state
+  else:
+    def worker_loss(p, batch):
+      return loss_fn(model.apply({"params": p}, batch["image"], train=True), batch["label"])
+
+  num_workers = int(mesh.shape["data"]) if "data" in mesh.axis_names else 0
+  plan = resolve(rule, "data", num_workers, engine.num_stages_of(stage_ids))
+  train_step = engine.make_train_step(worker_loss, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
+                                      backend=backend, with_model_state=with_model_state)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def init(params, model_state=None):
+    # A copy: the step donates the state, which must not delete the caller's arrays.
+    model_state = jax.tree.map(jnp.array, model_state)
+    return jax.device_put(train_step.init(params, model_state), replicated)
+
+  def step(state, batch):
+    check_versions(state, plan)
+    return train_step(state, batch)
+
+  def lower(state, batch):
+    check_versions(state, plan)
+    return train_step.lower(state, batch)
+
+  return Executor(init=init, step=step,
+                  variables=lambda s: {"params": s.params, **(s.model_state or {})},
+                  lower=lower, plan=plan)
+
+
+def _staged(model, params, model_state, stage_ids, sample_input, loss_fn, pad_to=1):
+  from cdpjax.executed import staged  # pylint: disable=g-import-not-at-top
+  return staged.stage_model(model, params, stage_ids, sample_input, model_state=model_state,
+                            loss_fn=loss_fn, pad_to=pad_to)
+
+
+def pipeline_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
+                      loss_fn: Callable, **_) -> Executor:
+  """The executed pipeline (``cdpjax.executed.pipeline``) of ``model`` cut at ``stage_ids``."""
+  from cdpjax.executed import pipeline  # pylint: disable=g-import-not-at-top
+  staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn)
+  return pipeline.make_train_step(staged, tx, rule=rule, mesh=mesh)
+
+
+def zero_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
+                  loss_fn: Callable, **_) -> Executor:
+  """Executed CDP-ZeRO or ZeRO-3 (``cdpjax.executed.zero``) of ``model`` cut at ``stage_ids``."""
+  from cdpjax.executed import zero  # pylint: disable=g-import-not-at-top
+  staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn,
+                   pad_to=int(mesh.shape["data"]))
+  return zero.make_train_step(staged, tx, rule=rule, mesh=mesh)
+
+
+EXECUTORS = {"data": engine_executor, "model": pipeline_executor, "zero": zero_executor}
+"""``parallelism -> factory``; every factory takes the arguments of `build`."""
+
+
+def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, model_state,
+          stage_ids, sample_input, rule, mesh, loss_fn: Callable,
+          backend: str = "shard_map") -> Executor:
+  """The executor of ``parallelism`` for a flax ``model`` cut into stages by ``stage_ids``.
+
+  Args:
+    parallelism: ``data`` (the engine), ``model`` (the executed pipeline) or
+      ``zero`` (executed CDP-ZeRO).
+    model: a flax module called as ``model.apply(variables, x, train=...)``.
+    tx: the optimizer (elementwise for ``model`` and ``zero``).
+    params: ``variables["params"]``, to lay out the stages.
+    model_state: the other variable collections, or None.
+    stage_ids: an int stage per parameter leaf (`cdpjax.stages`).
+    sample_input: an input batch, to trace the model's execution order.
+    rule: a name of ``schedule.RULES`` or a delay matrix.
+    mesh: the mesh of ``parallelism`` (axis ``data``, or ``stage`` for ``model``).
+    loss_fn: ``loss_fn(outputs, labels)`` of the model's outputs.
+    backend: the engine's backend (``shard_map`` or ``pmap``).
+  """
+  if parallelism not in EXECUTORS:
+    raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
+  return EXECUTORS[parallelism](
+      model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
+      sample_input=sample_input, rule=rule, mesh=mesh, loss_fn=loss_fn, backend=backend,
+      with_model_state=model_state is not None)
