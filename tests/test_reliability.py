@@ -202,7 +202,7 @@ def test_the_engine_does_not_replace_a_placed_state():
                                 stage_ids={"w": 0, "b": 0}, rule="dp", mesh=mesh)
   batch = {"x": np.ones((16, 4), np.float32)}
   state, _ = step(engine.init_state(params, tx, rule="dp"), batch)
-  placed, _ = step.prepare(state, batch)
+  placed, *_ = step.prepare(state, batch)
   assert all(a is b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(state)))
 
 

@@ -116,7 +116,7 @@ class TestBadConfig:
     with pytest.raises(ValueError, match="Cannot split 6 units.*into 7 non-empty stages"):
       train.train_and_evaluate(c, str(tmp_path))
     c = load_config("digits", "smoke", num_stages=3)
-    with pytest.raises(ValueError, match="num_blocks .4. is a multiple of num_stages .3."):
+    with pytest.raises(ValueError, match="multiple of num_stages .3.; .residual_mlp. has 4"):
       train.train_and_evaluate(c, str(tmp_path))
 
   def test_incompatible_checkpoint_is_refused(self, tmp_path):
