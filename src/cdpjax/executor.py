@@ -3,8 +3,10 @@
 An ``Executor`` is a NamedTuple of pure functions, in optax's style:
 
 - ``init(params, model_state=None) -> state``: the state at ``t = 0``;
-- ``step(state, batch) -> (state, metrics)``, metrics ``loss``, ``grad_norm``,
-  ``grad_norm_per_stage`` ``[J]`` and ``param_norm`` (of ``theta_{t+1}``);
+- ``step(state, batch, norms=True) -> (state, metrics)``, metrics ``loss``,
+  ``grad_norm``, ``grad_norm_per_stage`` ``[J]`` and ``param_norm`` (of
+  ``theta_{t+1}``); with ``norms=False`` an executor may skip the norms (NaN),
+  as the engine does: a caller asks for them on the steps it logs;
 - ``variables(state)``: ``{"params": theta_t, **model_state}``, plain flax
   variables readable on every process (evaluation, export);
 - ``lower(state, batch)``: the lowered step (StableHLO, memory, cost).
@@ -117,7 +119,7 @@ def check_versions(state, plan: RulePlan) -> None:
 class Executor(NamedTuple):
   """How one parallelism runs one rule; see the module docstring."""
   init: Callable[..., Any]
-  step: Callable[[Any, Any], tuple]
+  step: Callable[..., tuple]
   variables: Callable[[Any], dict]
   lower: Callable[[Any, Any], Any]
   plan: RulePlan
@@ -153,9 +155,9 @@ def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule,
     model_state = jax.tree.map(jnp.array, model_state)
     return jax.device_put(train_step.init(params, model_state), replicated)
 
-  def step(state, batch):
+  def step(state, batch, norms=True):
     check_versions(state, plan)
-    return train_step(state, batch)
+    return train_step(state, batch, norms=norms)
 
   def lower(state, batch):
     check_versions(state, plan)

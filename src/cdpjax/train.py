@@ -45,7 +45,7 @@ from cdpjax import executor as executor_lib
 class Runner(NamedTuple):
   """An executor bound to the run's initial variables (what the loop needs)."""
   init: Callable[[], Any]                    # -> state at step 0.
-  step: Callable[[Any, dict], tuple]         # (state, global batch) -> (state, metrics).
+  step: Callable[..., tuple]                 # (state, global batch, norms=) -> (state, metrics).
   variables: Callable[[Any], dict]           # state -> flax variables of theta_t.
   executor: executor_lib.Executor
 
@@ -684,7 +684,9 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
   try:
     with _Interrupts() as interrupts:
       while step < num_steps:
-        state, metrics = runner.step(state, to_global(next(batches), mesh))
+        # The health norms are passes over the parameters: only on logged steps.
+        logged = (step + 1) % c.log_every_steps == 0 or step + 1 == num_steps
+        state, metrics = runner.step(state, to_global(next(batches), mesh), norms=logged)
         step += 1
         if pending is not None:
           check_and_log(*pending)
