@@ -83,3 +83,28 @@ def test_bench_engine_quick(tmp_path):
   # CDP keeps exactly one stale copy of the parameters in its state.
   args = {k: v["argument_bytes"] for k, v in saved["variants"].items()}
   assert args["engine cdp-v2"] - args["engine dp"] == saved["param_bytes"]
+
+
+def test_bench_overlap_quick(tmp_path):
+  result = _script("bench_overlap").main(["--quick", "--results_dir", str(tmp_path)])
+  saved = json.loads((tmp_path / "bench_overlap.json").read_text())
+  assert saved["rows"] == result["rows"]
+  for row in result["rows"]:  # The engine lowers exactly J all-reduces, whatever XLA does next.
+    assert row["stablehlo_all_reduces"] == saved["num_stages"]
+    assert 1 <= row["compiled_all_reduces"] <= saved["num_stages"]
+    assert len(row["compute_after"]) == row["compiled_all_reduces"]
+    assert all(0 <= n <= row["compute_instructions"] for n in row["compute_after"])
+  assert {r["combiner"] for r in result["rows"]} == {"on", "off"}
+
+
+def test_report_reruns_only_the_named_benches(tmp_path):
+  report = _script("report")
+  benches = tmp_path / "benches"
+  benches.mkdir()
+  (benches / "bench_engine.py").write_text(FAKE_BENCH)
+  output = tmp_path / "BENCHMARKS.md"
+  output.write_text("# Benchmarks\n\n## bench_zero\n\nkept zero table\n\n## bench_engine\n\nold\n")
+  text = report.main(["--quick", "--bench_dir", str(benches), "--output", str(output),
+                      "--results_dir", str(tmp_path / "results"), "--benches", "bench_engine"])
+  assert "kept zero table" in text and "old" not in text and "cyclic 0.5" in text
+  assert "Not run: `bench_pipeline.py` does not exist yet." in text
