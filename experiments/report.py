@@ -102,7 +102,7 @@ def section(name: str, script: pathlib.Path, result: dict | None) -> str:
 
 
 def previous_sections(path: pathlib.Path) -> dict[str, str]:
-  """``{bench name: its "## name" section}`` of an existing report, or ``{}``."""
+  """``{first word of the title: its "## title" section}`` of an existing report, or ``{}``."""
   if not path.exists():
     return {}
   chunks = re.split(r"^(?=## )", path.read_text(), flags=re.M)[1:]
@@ -137,6 +137,8 @@ def main(argv=None) -> str:
     print(f"{name}: " + ("missing" if result is None else "ok" if result["ok"] else "FAILED"),
           flush=True)
     parts.append(section(name, script, result))
+  # Hand-written sections (studies that are not bench_*.py runs) stay, after the benchmarks.
+  parts += [body for name, body in kept.items() if name not in BENCHES]
   text = "\n".join(parts).rstrip() + "\n"
   pathlib.Path(args.output).write_text(text)
   print("wrote", args.output)

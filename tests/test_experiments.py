@@ -103,8 +103,10 @@ def test_report_reruns_only_the_named_benches(tmp_path):
   benches.mkdir()
   (benches / "bench_engine.py").write_text(FAKE_BENCH)
   output = tmp_path / "BENCHMARKS.md"
-  output.write_text("# Benchmarks\n\n## bench_zero\n\nkept zero table\n\n## bench_engine\n\nold\n")
+  output.write_text("# Benchmarks\n\n## bench_zero\n\nkept zero table\n\n## bench_engine\n\nold\n"
+                    "\n## Delays and stability\n\nhand-written study\n")
   text = report.main(["--quick", "--bench_dir", str(benches), "--output", str(output),
                       "--results_dir", str(tmp_path / "results"), "--benches", "bench_engine"])
   assert "kept zero table" in text and "old" not in text and "cyclic 0.5" in text
+  assert text.rstrip().endswith("hand-written study")
   assert "Not run: `bench_pipeline.py` does not exist yet." in text
