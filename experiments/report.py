@@ -8,6 +8,7 @@ wrote; a benchmark that does not exist yet or fails gets a section saying so.
 
   python experiments/report.py                 # full benchmarks -> BENCHMARKS.md
   python experiments/report.py --quick --output /tmp/BENCHMARKS.md
+  python experiments/report.py --benches bench_overlap   # rerun one, keep the other sections
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import time
 
 import _common
 
-BENCHES = ("bench_engine", "bench_pipeline", "bench_zero")
+BENCHES = ("bench_engine", "bench_pipeline", "bench_zero", "bench_overlap")
 DEVICE_COUNT = 8
 
 
@@ -100,13 +101,24 @@ def section(name: str, script: pathlib.Path, result: dict | None) -> str:
   return "\n".join(lines)
 
 
+def previous_sections(path: pathlib.Path) -> dict[str, str]:
+  """``{first word of the title: its "## title" section}`` of an existing report, or ``{}``."""
+  if not path.exists():
+    return {}
+  chunks = re.split(r"^(?=## )", path.read_text(), flags=re.M)[1:]
+  return {chunk.split()[1]: chunk.rstrip() + "\n" for chunk in chunks}
+
+
 def main(argv=None) -> str:
   p = _common.parser("report", __doc__)
   p.add_argument("--output", default=str(_common.REPO / "BENCHMARKS.md"))
   p.add_argument("--bench_dir", default=str(_common.REPO / "experiments"),
                  help="Where the bench_*.py scripts are.")
   p.add_argument("--timeout", type=float, default=3600, help="Seconds per benchmark.")
+  p.add_argument("--benches", nargs="+", choices=BENCHES, default=BENCHES,
+                 help="Benchmarks to run; the sections of the others are kept from --output.")
   args = p.parse_args(argv)
+  kept = previous_sections(pathlib.Path(args.output))
   out = _common.results_dir(args)
   host = _common.machine()
   parts = [
@@ -117,11 +129,16 @@ def main(argv=None) -> str:
       *[f"| {k} | {v} |" for k, v in host.items()],
       f"| devices | {DEVICE_COUNT} emulated CPU devices unless XLA_FLAGS sets a count |", ""]
   for name in BENCHES:
+    if name not in args.benches and name in kept:
+      parts.append(kept[name])
+      continue
     script = pathlib.Path(args.bench_dir) / f"{name}.py"
     result = run_bench(script, out / name, args.quick, args.timeout) if script.exists() else None
     print(f"{name}: " + ("missing" if result is None else "ok" if result["ok"] else "FAILED"),
           flush=True)
     parts.append(section(name, script, result))
+  # Hand-written sections (studies that are not bench_*.py runs) stay, after the benchmarks.
+  parts += [body for name, body in kept.items() if name not in BENCHES]
   text = "\n".join(parts).rstrip() + "\n"
   pathlib.Path(args.output).write_text(text)
   print("wrote", args.output)

@@ -99,3 +99,28 @@ def test_async_pairs_count_once_with_the_done_payload():
     ("f8e4m3fn[4]", 4), ("(f32[2], /*index=1*/u32[], token[])", 12), ("f32[<=8]", 32)])
 def test_shape_bytes(shape, nbytes):
   assert compiled.shape_bytes(shape) == nbytes
+
+
+def test_collective_schedule_counts_compute_after_each_collective(mesh, x):
+  """psum(x @ w) needs the dot first; psum(x) then a dot leaves the dot after it."""
+  w = jnp.ones((16, 16))
+
+  def reduce_after(a):
+    return jax.lax.psum(jnp.tanh(a @ w), "data")
+
+  def reduce_before(a):
+    return jnp.tanh(jax.lax.psum(a, "data") @ w)
+
+  after, num_after = compiled.collective_schedule(
+      _lower(mesh, x, reduce_after, P()).compile().as_text())
+  before, num_before = compiled.collective_schedule(
+      _lower(mesh, x, reduce_before, P()).compile().as_text())
+  assert num_after == num_before == 1
+  assert [(c.kind, c.compute_after) for c in after] == [("all-reduce", 0)]
+  assert [(c.kind, c.compute_after) for c in before] == [("all-reduce", 1)]
+  assert before[0].bytes == SHARD_BYTES
+
+
+def test_collective_schedule_needs_an_entry():
+  with pytest.raises(ValueError, match="ENTRY"):
+    compiled.collective_schedule("HloModule m\n")

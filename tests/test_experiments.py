@@ -102,3 +102,30 @@ def test_bench_engine_quick(tmp_path):
   for rule in ("cdp-v1", "cdp-v2"):
     assert mlp["extra_peak_over_stale_bytes"][rule] == pytest.approx(1.0, abs=0.05)
   assert mlp["goals_met"]["no parameter copies"]
+
+
+def test_bench_overlap_quick(tmp_path):
+  result = _script("bench_overlap").main(["--quick", "--results_dir", str(tmp_path)])
+  saved = json.loads((tmp_path / "bench_overlap.json").read_text())
+  assert saved["rows"] == result["rows"]
+  for row in result["rows"]:  # The engine lowers exactly J all-reduces, whatever XLA does next.
+    assert row["stablehlo_all_reduces"] == saved["num_stages"]
+    assert 1 <= row["compiled_all_reduces"] <= saved["num_stages"]
+    assert len(row["compute_after"]) == row["compiled_all_reduces"]
+    assert all(0 <= n <= row["compute_instructions"] for n in row["compute_after"])
+  assert {r["combiner"] for r in result["rows"]} == {"on", "off"}
+
+
+def test_report_reruns_only_the_named_benches(tmp_path):
+  report = _script("report")
+  benches = tmp_path / "benches"
+  benches.mkdir()
+  (benches / "bench_engine.py").write_text(FAKE_BENCH)
+  output = tmp_path / "BENCHMARKS.md"
+  output.write_text("# Benchmarks\n\n## bench_zero\n\nkept zero table\n\n## bench_engine\n\nold\n"
+                    "\n## Delays and stability\n\nhand-written study\n")
+  text = report.main(["--quick", "--bench_dir", str(benches), "--output", str(output),
+                      "--results_dir", str(tmp_path / "results"), "--benches", "bench_engine"])
+  assert "kept zero table" in text and "old" not in text and "cyclic 0.5" in text
+  assert text.rstrip().endswith("hand-written study")
+  assert "Not run: `bench_pipeline.py` does not exist yet." in text

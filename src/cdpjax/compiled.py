@@ -128,6 +128,85 @@ def collectives(hlo_text: str) -> list[Collective]:
   return found
 
 
+class ScheduledCollective(NamedTuple):
+  """A collective's place in the entry computation's instruction schedule.
+
+  Attributes:
+    name: the HLO instruction name (of the ``-start`` op for async pairs).
+    kind: one of `KINDS`.
+    bytes: bytes of its result.
+    position: its index among the entry computation's instructions.
+    compute_after: how many compute instructions (convolutions and dots, or
+      fusions and calls that contain one) the schedule places after it.
+  """
+  name: str
+  kind: str
+  bytes: int
+  position: int
+  compute_after: int
+
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+(?:,\s*%?[\w.\-]+)*)")
+_COMPUTE = re.compile(r"\b(convolution|dot)\(|custom_call_target=\"[^\"]*(?:[Mm]atmul|[Cc]onv|[Gg]emm)")
+
+
+def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
+  """Where the collectives sit in the schedule of a compiled module's entry computation.
+
+  Compiled HLO lists each computation's instructions in the order its schedule
+  runs them, so a collective with compute instructions after it can overlap
+  them (when the backend runs it asynchronously), and one placed after every
+  compute instruction cannot. Loop bodies count as one compute instruction of
+  the entry computation.
+
+  Returns:
+    The entry computation's collectives in schedule order, and its number of
+    compute instructions.
+  """
+  bodies: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header and "=" not in line.split("{")[0].split("(")[0]:
+      current = header.group("name")
+      bodies[current] = []
+      if header.group(1):
+        entry = current
+    elif line.strip() == "}":
+      current = None
+    elif current is not None:
+      bodies[current].append(line)
+  if entry is None:
+    raise ValueError("No ENTRY computation in the HLO text: pass compiled.as_text().")
+  computes: dict[str, bool] = {}
+
+  def has_compute(name: str, seen=()) -> bool:
+    if name not in computes:
+      computes[name] = False  # Cuts cycles; computations form a DAG anyway.
+      computes[name] = any(_is_compute(line, seen + (name,)) for line in bodies.get(name, ()))
+    return computes[name]
+
+  def _is_compute(line: str, seen) -> bool:
+    if _COMPUTE.search(line):
+      return True
+    return any(has_compute(callee.strip().lstrip("%"), seen)
+               for group in _CALLS.findall(line) for callee in group.split(","))
+
+  instructions = [line for line in bodies[entry] if _INSTRUCTION.match(line)]
+  is_compute = [_is_compute(line, (entry,)) for line in instructions]
+  found = {c.name: c for c in collectives("\n".join(instructions))}
+  scheduled = []
+  for position, line in enumerate(instructions):
+    name = _INSTRUCTION.match(line).group("name")
+    if name in found:
+      c = found[name]
+      scheduled.append(ScheduledCollective(
+          name=name, kind=c.kind, bytes=c.bytes, position=position,
+          compute_after=sum(is_compute[position + 1:])))
+  return scheduled, sum(is_compute)
+
+
 def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
   """``{kind: {"count": n, "bytes": b}}`` over `KINDS` (zeros included) of compiled HLO."""
   summary = {kind: {"count": 0, "bytes": 0} for kind in KINDS}

@@ -1,0 +1,118 @@
+"""Can the J per-stage gradient all-reduces overlap the backward? Read from the compiled schedule.
+
+The engine issues one all-reduce per stage (the lowered StableHLO holds
+exactly J). Whether they stay apart, and where the compiler schedules them,
+is read from the compiled HLO of the same step, for:
+
+- the CPU compiler (8 emulated devices);
+- the TPU compiler, ahead of time for a v5e topology, when libtpu is installed
+  (``pip install -e ".[tpu]"``; no TPU is needed);
+
+each with XLA's all-reduce combiner on (the default) and off
+(``compiler_options={"xla_disable_hlo_passes": "all-reduce-combiner"}``). For
+each compiled all-reduce the table gives how many compute instructions
+(convolutions and dots, or fusions holding one) the schedule places after it:
+an all-reduce with none after it cannot overlap the backward.
+
+  python experiments/bench_overlap.py          # results/bench_overlap/bench_overlap.json
+  python experiments/bench_overlap.py --quick  # seconds
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  pylint: disable=g-import-not-at-top
+from cdpjax import distributed  # noqa: E402  (imports no JAX)
+
+distributed.emulate_cpu_devices(8)
+
+import jax  # noqa: E402  (after the device count is set)
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from cdpjax import compiled, engine, stages  # noqa: E402
+from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
+
+NUM_WORKERS = 8
+NUM_STAGES = 4
+TPU_TOPOLOGY = "v5e:2x4"  # 8 chips: one worker each.
+NO_COMBINER = {"xla_disable_hlo_passes": "all-reduce-combiner"}
+
+
+def tpu_mesh():
+  """A mesh of the TPU topology's chips, or None when libtpu is not installed."""
+  try:
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    topology = topologies.get_topology_desc(TPU_TOPOLOGY, "tpu")
+  except Exception as e:  # pylint: disable=broad-except  (no libtpu: a RuntimeError or ImportError)
+    print(f"TPU compiler skipped ({type(e).__name__}): pip install -e '.[tpu]' to include it.")
+    return None
+  return topologies.make_mesh(topology, (NUM_WORKERS,), ("data",))
+
+
+def lowered_step(mesh, rule: str, width: int, per_worker_batch: int):
+  """The engine's lowered step for a residual MLP on ``mesh``, from abstract inputs only."""
+  model = ResidualMLP(num_classes=10, width=width, hidden=2 * width, num_blocks=2 * NUM_STAGES)
+  sample = jnp.zeros((1, 8, 8, 1))
+  params = jax.eval_shape(lambda k: model.init(k, sample), jax.random.key(0))["params"]
+  stage_ids = stages.model_stage_ids(model, params, NUM_STAGES, sample, strategy="params")
+  tx = optax.sgd(0.1, momentum=0.9)
+
+  def loss_fn(p, batch):
+    logits = model.apply({"params": p}, batch["image"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh)
+  replicated = NamedSharding(mesh, P())
+  state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                       jax.eval_shape(lambda p: engine.init_state(p, tx, rule=rule), params))
+  rows = NamedSharding(mesh, P("data"))
+  size = NUM_WORKERS * per_worker_batch
+  batch = {"image": jax.ShapeDtypeStruct((size, 8, 8, 1), jnp.float32, sharding=rows),
+           "label": jax.ShapeDtypeStruct((size,), jnp.int32, sharding=rows)}
+  return step.run.lower(state, batch)
+
+
+def measure(lowered, compiler_options) -> dict:
+  program = lowered.compile(compiler_options=compiler_options)
+  scheduled, num_compute = compiled.collective_schedule(program.as_text())
+  all_reduces = [c for c in scheduled if c.kind == "all-reduce"]
+  return {
+      "stablehlo_all_reduces": compiled.stablehlo_collectives(lowered.as_text())["all-reduce"],
+      "compiled_all_reduces": len(all_reduces),
+      "bytes": [c.bytes for c in all_reduces],
+      "compute_after": [c.compute_after for c in all_reduces],
+      "compute_instructions": num_compute,
+  }
+
+
+def main(argv=None):
+  args = _common.parser("bench_overlap", __doc__).parse_args(argv)
+  out = _common.results_dir(args)
+  width = 64 if args.quick else 512
+  meshes = {"cpu": jax.make_mesh((NUM_WORKERS,), ("data",))}
+  if not args.quick:
+    mesh = tpu_mesh()
+    if mesh is not None:
+      meshes[f"tpu {TPU_TOPOLOGY}"] = mesh
+  rows = []
+  for compiler, mesh in meshes.items():
+    for rule in (("dp",) if args.quick else ("dp", "cdp-v2")):
+      lowered = lowered_step(mesh, rule, width, per_worker_batch=32)
+      for combiner, options in (("on", None), ("off", NO_COMBINER)):
+        rows.append({"compiler": compiler, "rule": rule, "combiner": combiner,
+                     **measure(lowered, options)})
+  result = {"machine": _common.machine(), "num_workers": NUM_WORKERS, "num_stages": NUM_STAGES,
+            "width": width, "rows": rows}
+  _common.write_json(out / "bench_overlap.json", result)
+  print(f"{'compiler':<14} {'rule':<7} {'combiner':<8} {'stablehlo':>9} {'compiled':>8}  "
+        "compute instructions after each all-reduce (of all)")
+  for r in rows:
+    print(f"{r['compiler']:<14} {r['rule']:<7} {r['combiner']:<8} {r['stablehlo_all_reduces']:>9} "
+          f"{r['compiled_all_reduces']:>8}  {r['compute_after']} (of {r['compute_instructions']})")
+  return result
+
+
+if __name__ == "__main__":
+  main()
