@@ -66,12 +66,12 @@ def lowered_step(mesh, rule: str, width: int, per_worker_batch: int):
   step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh)
   replicated = NamedSharding(mesh, P())
   state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-                       jax.eval_shape(lambda p: engine.init_state(p, tx, rule=rule), params))
+                       jax.eval_shape(step.init, params))
   rows = NamedSharding(mesh, P("data"))
   size = NUM_WORKERS * per_worker_batch
   batch = {"image": jax.ShapeDtypeStruct((size, 8, 8, 1), jnp.float32, sharding=rows),
            "label": jax.ShapeDtypeStruct((size,), jnp.int32, sharding=rows)}
-  return step.run.lower(state, batch)
+  return step.lower(state, batch)
 
 
 def measure(lowered, compiler_options) -> dict:

@@ -282,7 +282,10 @@ def _placed(tree, sharding):
   """``tree`` on ``sharding``; a no-op check when it already is (every step after the first)."""
   # Equivalence, not equality: a shard_map output with out_specs=P() comes back
   # as P(None, ...), which is the same placement but does not compare equal.
-  if all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)
+  # Abstract inputs (jax.ShapeDtypeStruct, e.g. for compiling ahead of time
+  # for devices this host does not have) are lowered as they are.
+  if all(isinstance(x, jax.ShapeDtypeStruct)
+         or isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)
          for x in jax.tree.leaves(tree)):
     return tree
   return jax.device_put(tree, sharding)
@@ -598,8 +601,7 @@ def _prepare_fn(r: _Rule, ids_def, scan_steps, backend, replicated, batch_shardi
           f"Batch size {size} is not divisible by the {r.num_workers} workers: use a global "
           f"batch of num_workers * per_worker_batch rows (worker i gets rows i*b:(i+1)*b).")
     if backend == "shard_map":
-      return (_placed(state, replicated), _placed(batch, batch_sharding),
-              *(jax.device_put(x, replicated) for x in (want,) + delays_arg))
+      return (_placed(state, replicated), _placed(batch, batch_sharding), want, *delays_arg)
     b = size // r.num_workers
 
     def split(x):  # [.., N*b, ..] -> [N, .., b, ..]: the pmap axis leads.
