@@ -9,7 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from cdpjax import analysis, compiled, engine, pipeline, schedule, zero
+from cdpjax import analysis, compiled, engine, schedule
+from cdpjax.executed import pipeline, zero
+from cdpjax.executed import staged as staged_lib
 from cdpjax.models.residual_mlp import ResidualMLP
 
 N, J = 4, 4
@@ -80,7 +82,10 @@ def test_devices_staleness_and_model_states():
                                                               "cdp+zero"}
   m = {s: c.per_device for s, c in costs.items()}
   assert (m["dp"].params, m["dp"].grads, m["dp"].optimizer) == (1, 1, 2)
-  assert (m["cdp-v2"].params, m["cdp+mp"].params, m["cdp+zero"].params) == (2, 2 / J, 2 / J)
+  # The engine's compact state: cdp-v2 at N = J reads stage J-1 fresh on every worker, so
+  # keeps (J-1)/J of a stale copy; the executed pipeline and ring keep whole versions.
+  assert (m["cdp-v1"].params, m["cdp-v2"].params) == (2, 1 + (J - 1) / J)
+  assert (m["cdp+mp"].params, m["cdp+zero"].params) == (2 / J, 2 / J)
   assert (m["zero-1"].optimizer, m["zero-2"].grads, m["zero-3"].params) == (2 / N, 1 / N, 1 / N)
   # ZeRO-3 and CDP+ZeRO send the same volume: 3(N-1)/N Psi_P; DP 2(N-1)/N Psi_P.
   assert costs["zero-3"].comm_sent_bytes == pytest.approx(3 * (N - 1) / N)
@@ -122,12 +127,17 @@ def params():
   return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
 
 
-def test_engine_memory_and_all_reduce_bytes(params):
-  rule, tx, k = "cdp-v2", optax.adam(1e-3), 2  # One stale version; Adam's mu and nu.
+@pytest.fixture(scope="module")
+def stage_ids(params):
   stage_of = {"embed": 0, "head": J - 1, **{f"block_{j}": j for j in range(J)}}
-  stage_ids = {name: jax.tree.map(lambda _, s=s: s, params[name]) for name, s in stage_of.items()}
-  stage_bytes = [_f32_bytes([params[n] for n, s in stage_of.items() if s == j]) for j in range(J)]
-  workers = 8
+  return {name: jax.tree.map(lambda _, s=s: s, params[name]) for name, s in stage_of.items()}
+
+
+def test_engine_memory_and_all_reduce_bytes(params, stage_ids):
+  rule, tx, k = "cdp-v2", optax.adam(1e-3), 2  # One stale version; Adam's mu and nu.
+  stage_bytes = [_f32_bytes([p for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(stage_ids))
+                             if s == j]) for j in range(J)]
+  workers = N  # N = J: stage J-1 is read fresh by every worker and keeps no stale copy.
   model = ResidualMLP(10, WIDTH, HIDDEN, num_blocks=J)
 
   def loss_fn(p, batch):
@@ -136,14 +146,19 @@ def test_engine_memory_and_all_reduce_bytes(params):
 
   step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule,
                                 mesh=jax.make_mesh((workers,), ("data",)))
-  lowered = step.lower(engine.init_state(params, tx, rule=rule), _batch(workers))
+  lowered = step.lower(step.init(params), _batch(workers))
   program = lowered.compile()
   predicted = analysis.cost(rule, workers, analysis.workload(stage_bytes, 1.0, J,
                                                              optimizer_factor=k))
+  # The compact state: a stale copy only of the stages some worker reads stale.
+  depths = schedule.delay_matrix(rule, workers, J).max(axis=0)
+  assert list(depths) == [1] * (J - 1) + [0]
+  assert predicted.per_device.params == sum((1 + d) * p for d, p in zip(depths, stage_bytes))
   mem = compiled.memory(program)
   scalars = 4 + 4  # The step counter; Adam's count.
   state_bytes = predicted.per_device.params + predicted.per_device.optimizer + scalars
-  assert mem["argument_bytes"] / (state_bytes + B * BATCH_BYTES_PER_ROW) == 1.0
+  norms_flag = 1  # step(..., norms=) rides into the program as a bool scalar.
+  assert mem["argument_bytes"] / (state_bytes + B * BATCH_BYTES_PER_ROW + norms_flag) == 1.0
   assert mem["alias_bytes"] / state_bytes == 1.0  # The donated state.
   (reduce,) = predicted.communication
   assert compiled.stablehlo_collectives(lowered.as_text())["all-reduce"] == reduce.ops == J
@@ -151,19 +166,22 @@ def test_engine_memory_and_all_reduce_bytes(params):
   assert measured / (reduce.payload_bytes + 4) == 1.0  # + the loss, riding in the last bucket.
 
 
-def _stacked_stage_bytes(state) -> float:
-  """Bytes of one device's slice of the stage-stacked ``theta_t`` (equal shapes per stage)."""
-  return _f32_bytes(state.params) / J
+def _staged(params, stage_ids, pad_to=1):
+  model = ResidualMLP(10, WIDTH, HIDDEN, num_blocks=J)
+  return staged_lib.stage_model(model, params, stage_ids, np.zeros((1, 8, 8, 1), np.float32),
+                                pad_to=pad_to)
 
 
-def test_cdp_mp_pipeline_memory_and_messages(params):
+def test_cdp_mp_pipeline_memory_and_messages(params, stage_ids):
   tx = optax.sgd(0.1, momentum=0.9)
   mesh = jax.make_mesh((J,), ("stage",), devices=jax.devices()[:J])
-  state = pipeline.init_state(params, tx, rule="cdp-v2", mesh=mesh, num_blocks=J)
-  program = pipeline.make_train_step(tx, rule="cdp-v2", mesh=mesh, num_blocks=J).lower(
-      state, _batch(N)).compile()
-  # SPMD pads every stage to the same stacked shape: that is P_j here.
-  w = analysis.workload(J * _stacked_stage_bytes(state), 1.0, J, boundary_bytes=B * WIDTH * 4)
+  staged = _staged(params, stage_ids)
+  ex = pipeline.make_train_step(staged, tx, rule="cdp-v2", mesh=mesh)
+  program = ex.lower(ex.init(params), _batch(N)).compile()
+  # Every stage is one flat buffer padded to the largest (staged.param_size): that is P_j
+  # here. The activation buffer is padded to the largest boundary.
+  act_bytes = 4 * staged.act_size(jax.ShapeDtypeStruct((B, 8, 8, 1), jnp.float32))
+  w = analysis.workload(J * 4 * staged.param_size, 1.0, J, boundary_bytes=act_bytes)
   predicted = analysis.cost("cdp+mp", N, w)
   mem = compiled.memory(program)
   state_bytes = predicted.per_device.params + predicted.per_device.optimizer + 4
@@ -176,23 +194,24 @@ def test_cdp_mp_pipeline_memory_and_messages(params):
   assert all(c.bytes / (p2p.payload_bytes / p2p.ops) == 1.0 for c in found)  # One boundary each.
 
 
-@pytest.mark.parametrize("schedule_name", ["cyclic", "zero3"])
-def test_zero_memory_and_traffic(params, schedule_name):
+@pytest.mark.parametrize("timetable", ["cyclic", "zero3"])
+def test_zero_memory_and_traffic(params, stage_ids, timetable):
   tx = optax.sgd(0.1, momentum=0.9)
-  rule = "cdp-v2" if schedule_name == "cyclic" else "dp"
+  rule = "cdp-v2" if timetable == "cyclic" else "dp"
   mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
-  state = zero.init_state(params, tx, rule=rule, mesh=mesh, num_blocks=J)
-  step = zero.make_train_step(tx, rule=rule, mesh=mesh, num_blocks=J, schedule=schedule_name)
-  program = step.lower(state, _batch(N)).compile()
-  stage_bytes = 4 * state.layout.stage_size  # Every stage is one padded flat buffer.
+  staged = _staged(params, stage_ids, pad_to=N)
+  ex = zero.make_train_step(staged, tx, rule=rule, mesh=mesh)
+  assert ex.plan.timetable == timetable
+  program = ex.lower(ex.init(params), _batch(N)).compile()
+  stage_bytes = 4 * staged.param_size  # Every stage is one padded flat buffer.
   w = analysis.workload(J * stage_bytes, 1.0, J)
-  predicted = analysis.cost("cdp+zero" if schedule_name == "cyclic" else "zero-3", N, w)
+  predicted = analysis.cost("cdp+zero" if timetable == "cyclic" else "zero-3", N, w)
   mem = compiled.memory(program)
   state_bytes = predicted.per_device.params + predicted.per_device.optimizer + 4
   assert mem["alias_bytes"] / state_bytes == 1.0
   assert mem["argument_bytes"] / (state_bytes + B * BATCH_BYTES_PER_ROW) == 1.0
   found = compiled.collectives(program.as_text())
-  if schedule_name == "cyclic":
+  if timetable == "cyclic":
     assert {c.kind for c in found} == {"collective-permute"}
     moved = sum(c.bytes * len(c.source_target_pairs) for c in found)
     (ring,) = predicted.communication

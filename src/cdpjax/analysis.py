@@ -344,9 +344,12 @@ def _data_parallel(name: str, rule, n: int, w: Workload, net: Network, *,
   events, window = _steady_timeline(rule, n, J)
   prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.worker, n,
                                   window, n)
-  versions = 1 + schedule.max_delay(rule)
+  # The engine keeps a stale copy of stage j only as deep as some worker reads it,
+  # max_i d[i, j]: cdp-v2 at N = J keeps (J-1)/J of a copy, cdp-v1 a whole one.
+  depths = schedule.resolve(rule, n, J).max(axis=0)
+  params = sum((1 + int(d)) * p for d, p in zip(depths, w.stage_param_bytes))
+  params = params / n if shard >= 3 else params
   pmax = max(w.stage_param_bytes)
-  params = versions * P / n if shard >= 3 else versions * P
   grads = P / n if shard >= 2 else P
   buffers = {0: 0.0, 1: 0.0, 2: pmax, 3: 2 * pmax}[shard]  # ZeRO-3: a stage's params + grads.
   memory = Memory(params, grads, k * P / n if shard >= 1 else k * P, buffers,
@@ -466,6 +469,7 @@ def cdp_mp(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") -> C
   events, window = _steady_timeline(rule, n, J)
   prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.stage, J,
                                   window, n)
+  # Device j's ring buffer holds D + 1 whole versions of its stage, stale or not.
   versions = 1 + schedule.max_delay(rule)
   memories = [_stage_memory(w, j, versions, prof.peak[j], prof.mean[j]) for j in range(J)]
   return Cost("cdp+mp", J, _busiest(memories),
@@ -486,7 +490,7 @@ def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") ->
   events, window = _steady_timeline(rule, n, J)
   prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.worker, n,
                                   window, n)
-  versions = 1 + schedule.max_delay(rule)
+  versions = 1 + schedule.max_delay(rule)  # The owner keeps D + 1 whole versions of its stage.
   pmax = max(w.stage_param_bytes)
   memories = [Memory(versions * p, p, k * p, 2 * pmax, prof.peak[J - 1 - j], prof.mean[J - 1 - j])
               for j, p in enumerate(w.stage_param_bytes)]
