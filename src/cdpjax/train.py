@@ -16,7 +16,6 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -26,7 +25,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import config as config_lib
-from cdpjax import data, engine, models, stages
+from cdpjax import engine, stages, tasks
 
 
 class Runner(NamedTuple):
@@ -36,14 +35,10 @@ class Runner(NamedTuple):
   variables: Callable[[Any], dict]           # state -> flax variables of theta_t.
 
 
-def cross_entropy(logits, labels):
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
 def learning_rate_schedule(c: ml_collections.ConfigDict, steps_per_epoch: int,
                            num_steps: int) -> optax.Schedule:
   """The config's schedule, in steps, after an optional linear warm-up."""
-  warmup = int(round(c.warmup_epochs * steps_per_epoch))
+  warmup = c.warmup_steps or int(round(c.warmup_epochs * steps_per_epoch))
   if c.lr_schedule == "constant":
     main = optax.constant_schedule(c.learning_rate)
   elif c.lr_schedule == "cosine":
@@ -58,26 +53,37 @@ def learning_rate_schedule(c: ml_collections.ConfigDict, steps_per_epoch: int,
 
 
 def make_optimizer(c: ml_collections.ConfigDict, lr: optax.Schedule):
-  """SGD with momentum (coupled weight decay, as PyTorch's SGD) or Adam."""
+  """SGD with momentum (coupled weight decay, as PyTorch's SGD), Adam or AdamW.
+
+  AdamW decays matrices only (kernels, embeddings), not biases or norms.
+  ``grad_clip_norm > 0`` first clips the gradient by its global norm: the
+  engine updates the whole model at once, so the norm is over every stage.
+  """
   if c.optimizer == "sgd":
     opt = optax.sgd(lr, momentum=c.momentum or None)
   elif c.optimizer == "adam":
     opt = optax.adam(lr)
+  elif c.optimizer == "adamw":
+    opt = optax.adamw(lr, weight_decay=c.weight_decay,
+                      mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params))
   else:
-    raise ValueError(f"Unknown optimizer {c.optimizer!r}: use 'sgd' or 'adam'.")
-  if c.weight_decay:
-    return optax.chain(optax.add_decayed_weights(c.weight_decay), opt)
+    raise ValueError(f"Unknown optimizer {c.optimizer!r}: use 'sgd', 'adam' or 'adamw'.")
+  if c.weight_decay and c.optimizer != "adamw":
+    opt = optax.chain(optax.add_decayed_weights(c.weight_decay), opt)
+  if c.grad_clip_norm:
+    opt = optax.chain(optax.clip_by_global_norm(c.grad_clip_norm), opt)
   return opt
 
 
 def model_stage_ids(c, model, params, sample):
   """Stages in execution order: identical blocks per stage, or balanced FLOPs/params."""
   if c.stage_strategy == "blocks":
-    blocks = c.model_kwargs.get("num_blocks", 0)
-    if c.model != "residual_mlp" or blocks % c.num_stages:
+    key = "num_layers" if c.model == "transformer" else "num_blocks"
+    blocks = c.model_kwargs.get(key, 0)
+    if c.model not in ("residual_mlp", "transformer") or blocks % c.num_stages:
       raise ValueError(
-          f"stage_strategy='blocks' needs a residual_mlp whose num_blocks ({blocks}) is a "
-          f"multiple of num_stages ({c.num_stages}): change --config.model_kwargs.num_blocks "
+          f"stage_strategy='blocks' needs a residual_mlp or transformer whose {key} ({blocks}) "
+          f"is a multiple of num_stages ({c.num_stages}): change --config.model_kwargs.{key} "
           "or use --config.stage_strategy=params.")
     per = blocks // c.num_stages
     return stages.model_stage_ids(model, params, c.num_stages, sample, strategy="boundaries",
@@ -87,19 +93,19 @@ def model_stage_ids(c, model, params, sample):
                                 train=False)
 
 
-def _data_runner(c, model, tx, variables, sample, mesh) -> Runner:
+def _data_runner(c, model, tx, variables, sample, mesh, task) -> Runner:
   params = variables["params"]
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
   stage_ids = model_stage_ids(c, model, params, sample)
 
   if model_state is None:
     def loss_fn(p, batch):
-      return cross_entropy(model.apply({"params": p}, batch["image"], train=True), batch["label"])
+      return task.loss(model.apply({"params": p}, task.inputs(batch), train=True), batch)
   else:
     def loss_fn(p, state, batch):
-      logits, new_state = model.apply({"params": p, **state}, batch["image"], train=True,
+      logits, new_state = model.apply({"params": p, **state}, task.inputs(batch), train=True,
                                       mutable=list(state))
-      return cross_entropy(logits, batch["label"]), new_state
+      return task.loss(logits, batch), new_state
 
   step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=c.rule, mesh=mesh,
                                 backend=c.backend, with_model_state=model_state is not None)
@@ -160,9 +166,9 @@ def make_mesh(c: ml_collections.ConfigDict):
   return jax.sharding.Mesh(np.array(devices), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
-def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
+def build_runner(c, model, tx, variables, sample, mesh, task) -> Runner:
   if c.parallelism == "data":
-    return _data_runner(c, model, tx, variables, sample, mesh)
+    return _data_runner(c, model, tx, variables, sample, mesh, task)
   if c.parallelism == "model":
     from cdpjax import pipeline  # pylint: disable=g-import-not-at-top
     return _executed_runner(c, pipeline, tx, variables, mesh)
@@ -170,22 +176,23 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
   return _executed_runner(c, zero, tx, variables, mesh)
 
 
-def make_eval_fn(model, mesh):
-  """Sums of correct predictions, loss and weights over one sharded eval batch."""
+def make_eval_fn(task: tasks.Task, mesh):
+  """The task's eval metrics from its sums (e.g. correct, loss, weights) over sharded batches."""
+  axis = mesh.axis_names[0]
+
+  # Per device on its rows, then summed: plain jit cannot infer the sharding
+  # of an embedding lookup with sharded token ids under explicit mesh axes.
   @jax.jit
+  @jax.shard_map(mesh=mesh, in_specs=(P(), P(axis)), out_specs=P())
   def sums(variables, batch):
-    logits = model.apply(variables, batch["image"], train=False)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-    correct = jnp.argmax(logits, -1) == batch["label"]
-    m = batch["mask"]
-    return jnp.sum(correct * m), jnp.sum(losses * m), jnp.sum(m)
+    local = task.eval_sums(task.model.apply(variables, task.inputs(batch), train=False), batch)
+    return jax.lax.psum(local, axis)
 
   def evaluate(variables, batches):
-    totals = np.zeros(3)
+    totals = 0.0
     for batch in batches:
       totals += np.array(jax.device_get(sums(variables, to_global(batch, mesh))))
-    correct, loss, count = totals
-    return {"eval/accuracy": float(correct / count), "eval/loss": float(loss / count)}
+    return task.eval_metrics(totals)
   return evaluate
 
 
@@ -330,7 +337,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(c.to_json_best_effort(indent=2))
 
-  dataset = data.get_dataset(c.dataset, data_dir=c.data_dir or None)
+  task = tasks.build(c)
+  dataset, model, sample = task.dataset, task.model, task.sample_input
   global_batch = c.num_workers * c.per_worker_batch_size
   steps_per_epoch = max(1, dataset.num_train // global_batch)
   num_steps = c.num_train_steps if c.num_train_steps > 0 else int(
@@ -338,15 +346,13 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   lr = learning_rate_schedule(c, steps_per_epoch, num_steps)
   tx = make_optimizer(c, lr)
 
-  model = models.create_model(c.model, dataset.num_classes, **c.model_kwargs)
-  sample = jnp.zeros((1,) + tuple(dataset.image_shape), jnp.float32)
   # XLA's RNG-bit-generator: a ResNet's ~60 initialisers compile ~4x faster
   # than with threefry (seconds, not a minute, on a CPU).
   init_key = jax.random.key(c.seed, impl="rbg")
   variables = dict(jax.jit(lambda k: model.init(k, sample, train=False))(init_key))
   mesh = make_mesh(c)
-  runner = build_runner(c, model, tx, variables, sample, mesh)
-  evaluate = make_eval_fn(model, mesh)
+  runner = build_runner(c, model, tx, variables, sample, mesh, task)
+  evaluate = make_eval_fn(task, mesh)
 
   checkpointer = Checkpointer(workdir, c)
   state = runner.init()
@@ -356,6 +362,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
     state, meta = restored
     start = meta["data_position"]
   log = MetricsLog(workdir)
+  if task.baseline and start == 0:  # Once per run, not again on resume.
+    log.write(0, task.baseline)
+  tokens_per_step = global_batch * task.tokens_per_example
+  last_log = [time.time(), start]  # For tokens per second between two logs.
   batches = dataset.train_batches(global_batch, seed=c.seed, start_step=start,
                                   process_index=jax.process_index(),
                                   process_count=jax.process_count())
@@ -373,7 +383,12 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
           f"Non-finite training loss {loss} at step {step}. Lower --config.learning_rate, or "
           "resume from the last checkpoint with a smaller one.")
     if step % c.log_every_steps == 0 or step == num_steps:
-      log.write(step, {**_scalars(metrics), "train/learning_rate": float(lr(step - 1))})
+      extra = {}
+      if tokens_per_step:
+        now = time.time()
+        extra["train/tokens_per_second"] = (step - last_log[1]) * tokens_per_step / (now - last_log[0])
+        last_log[:] = now, step
+      log.write(step, {**_scalars(metrics), "train/learning_rate": float(lr(step - 1)), **extra})
 
   t0 = time.time()
   pending = None  # The previous step's metrics, fetched after the next step is dispatched.
@@ -395,7 +410,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
         pending = None
         eval_metrics = eval_now()
         log.write(step, eval_metrics)
-        progress.set_postfix(acc=f"{eval_metrics['eval/accuracy']:.3f}")
+        progress.set_postfix({k.split("/")[1]: f"{v:.3f}" for k, v in eval_metrics.items()})
       stop = preemption.stop_at(step)
       if step % c.checkpoint_every_steps == 0 or step == num_steps or stop:
         checkpointer.save(step, state, data_position=step, seed=c.seed)
@@ -410,6 +425,9 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   log.close()
   summary = {"final_step": step, "num_train_steps": num_steps, "preempted": preempted,
              "wall_time_s": wall, "steps_per_second": (step - start) / wall if wall else 0.0,
+             **({"tokens_per_second": (step - start) * tokens_per_step / wall}
+                if tokens_per_step and wall else {}),
+             **{k.replace("baseline/", ""): v for k, v in task.baseline.items()},
              **{k.replace("eval/", "final_"): v for k, v in eval_metrics.items()}}
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
