@@ -207,36 +207,57 @@ def test_executed_modes_refuse_a_global_clip_and_the_transformer(tmp_path):
     train.train_and_evaluate(c, str(tmp_path))
 
 
-# The trainer end to end.
+def test_every_command_in_the_config_docstring_loads():
+  """The launcher commands of configs/lm.py: each config argument parses and validates."""
+  module_doc = (ROOT / "configs" / "lm.py").read_text().split('"""')[1]
+  args = [line.split("configs/lm.py")[1].split()[0] for line in module_doc.splitlines()
+          if line.strip().startswith("cdpjax-train")]
+  args = [a[1:] if a.startswith(":") else "" for a in args]
+  assert args == ["", "rule=dp,smoke", "size=small", "dataset=tiny_shakespeare"]
+  for arg in args:
+    c = lm_config(arg)
+    config_lib.validate(c)
+    assert c.model == "transformer" and c.num_train_steps > 0
+  with pytest.raises(ValueError, match="Unknown size"):
+    lm_config("size=huge")
 
-@pytest.mark.parametrize("rule", ["dp", "cdp-v1", "cdp-v2"])
-def test_lm_smoke_trains_and_logs(rule, tmp_path):
-  summary = train.train_and_evaluate(lm_config(f"smoke,rule={rule}"), str(tmp_path))
-  metrics = read_metrics(tmp_path)
+
+# The trainer end to end (one straight run shared by the tests below).
+
+RESUME = dict(lr_schedule="constant", checkpoint_every_steps=3, eval_every_steps=3)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+  """Six cdp-v2 smoke steps, evaluated at steps 3 and 6."""
+  workdir = tmp_path_factory.mktemp("lm_straight")
+  summary = train.train_and_evaluate(lm_config(num_train_steps=6, **RESUME), str(workdir))
+  return summary, read_metrics(workdir)
+
+
+def test_lm_smoke_trains_and_logs(straight_run):
+  summary, metrics = straight_run
   baseline = [m for m in metrics if "baseline/bigram_bits_per_byte" in m]
   assert len(baseline) == 1 and baseline[0]["step"] == 0
   assert summary["bigram_bits_per_byte"] == baseline[0]["baseline/bigram_bits_per_byte"]
   train_rows = [m for m in metrics if "train/loss" in m]
-  assert [m["step"] for m in train_rows] == [1, 2, 3, 4]
+  assert [m["step"] for m in train_rows] == [1, 2, 3, 4, 5, 6]
   assert {"train/tokens_per_second", "train/grad_norm_stage0", "train/grad_norm_stage3",
           "train/learning_rate"} <= set(train_rows[-1])
   evals = [m for m in metrics if "eval/bits_per_byte" in m]
-  assert [m["step"] for m in evals] == [2, 4]
+  assert [m["step"] for m in evals] == [3, 6]
   assert evals[-1]["eval/bits_per_byte"] == pytest.approx(evals[-1]["eval/loss"] / math.log(2))
-  # Four tiny steps from a uniform start (8 bits per byte): the loss falls.
+  # Six tiny steps from a near-uniform start (8 bits per byte): the loss falls.
   assert train_rows[-1]["train/loss"] < train_rows[0]["train/loss"] < math.log(256) + 0.1
+  assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
   assert summary["tokens_per_second"] > 0 and summary["final_bits_per_byte"] < 8.1
 
 
-def test_lm_resume_three_plus_three_equals_six_straight_steps(tmp_path):
+def test_lm_resume_three_plus_three_equals_six_straight_steps(straight_run, tmp_path):
   """AdamW moments, the stale version and the data position all come back exactly."""
-  overrides = dict(lr_schedule="constant", checkpoint_every_steps=3, eval_every_steps=100)
-  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  train.train_and_evaluate(lm_config(num_train_steps=6, **overrides), str(straight))
-  train.train_and_evaluate(lm_config(num_train_steps=3, **overrides), str(resumed))
-  train.train_and_evaluate(lm_config(num_train_steps=6, **overrides), str(resumed))
-  losses = lambda w: {m["step"]: m["train/loss"] for m in read_metrics(w) if "train/loss" in m}
-  assert sorted(losses(straight)) == [1, 2, 3, 4, 5, 6]
-  assert losses(straight) == losses(resumed)
-  baselines = [m for m in read_metrics(resumed) if "baseline/bigram_loss" in m]
-  assert len(baselines) == 1  # Logged once, not again on resume.
+  train.train_and_evaluate(lm_config(num_train_steps=3, **RESUME), str(tmp_path))
+  train.train_and_evaluate(lm_config(num_train_steps=6, **RESUME), str(tmp_path))
+  losses = lambda metrics: {m["step"]: m["train/loss"] for m in metrics if "train/loss" in m}
+  resumed = read_metrics(tmp_path)
+  assert losses(resumed) == losses(straight_run[1])
+  assert len([m for m in resumed if "baseline/bigram_loss" in m]) == 1  # Not again on resume.
