@@ -7,7 +7,7 @@ bigram baseline) and ``bits_per_byte.png`` (eval bits per byte against steps,
 mean over seeds with a +-1 std band) under ``--results_dir``:
 
   python experiments/accuracy_lm.py                  # 3 rules x 3 seeds
-  python experiments/accuracy_lm.py --steps 200      # shorter runs (same schedule shape)
+  python experiments/accuracy_lm.py --steps 200 --learning_rate 3e-3   # what BENCHMARKS.md shows
   python experiments/accuracy_lm.py --quick          # 1 seed, the smoke config
 """
 from __future__ import annotations
@@ -70,6 +70,8 @@ def main(argv=None) -> dict:
   p.add_argument("--rules", default=",".join(RULES), help="Comma-separated rules.")
   p.add_argument("--steps", type=int, default=0,
                  help="Train steps per run (0: the config's); warm-up stays 5%% of them.")
+  p.add_argument("--learning_rate", type=float, default=0.0,
+                 help="Peak learning rate (0: the config's).")
   p.add_argument("--eval_every", type=int, default=25, help="Steps between evaluations.")
   args = p.parse_args(argv)
   if args.quick:
@@ -88,6 +90,8 @@ def main(argv=None) -> dict:
       if args.steps:
         c.num_train_steps = args.steps
         c.warmup_steps = max(1, args.steps // 20)
+      if args.learning_rate:
+        c.learning_rate = args.learning_rate
       if not args.quick:
         c.eval_every_steps = args.eval_every
         c.checkpoint_every_steps = 10**9  # Only the final checkpoint.
@@ -109,10 +113,11 @@ def main(argv=None) -> dict:
   k = c.model_kwargs
   title = (f"byte-level LM on the Python stdlib (configs/lm.py{':smoke' * args.quick}): "
            f"{k.num_layers} layers, d_model {k.d_model}, {c.num_workers} workers x "
-           f"{c.num_stages} stages, {c.num_train_steps} steps")
+           f"{c.num_stages} stages, {c.num_train_steps} steps, lr {c.learning_rate:g}")
   result = {"config": "configs/lm.py" + (":smoke" if args.quick else ""),
             "num_workers": c.num_workers, "num_stages": c.num_stages,
-            "num_train_steps": c.num_train_steps, "model_kwargs": k.to_dict(),
+            "num_train_steps": c.num_train_steps, "learning_rate": c.learning_rate,
+            "warmup_steps": c.warmup_steps, "model_kwargs": k.to_dict(),
             "bigram_bits_per_byte": baseline, "table": table, "machine": _common.machine(),
             "runs": [{k: v for k, v in r.items() if k != "metrics"} for r in runs]}
   _common.write_json(out / "accuracy_lm.json", result)
