@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
   baseline = runs[0]["bigram_bits_per_byte"]
   k = c.model_kwargs
   title = (f"byte-level LM on the Python stdlib (configs/lm.py{':smoke' * args.quick}): "
-           f"{k.num_layers} layers, d_model {k.d_model}, {c.num_workers} workers x "
+           f"{k.num_layers} layers, d_model {k.d_model},\n{c.num_workers} workers x "
            f"{c.num_stages} stages, {c.num_train_steps} steps, lr {c.learning_rate:g}")
   result = {"config": "configs/lm.py" + (":smoke" if args.quick else ""),
             "num_workers": c.num_workers, "num_stages": c.num_stages,
