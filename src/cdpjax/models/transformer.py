@@ -196,7 +196,3 @@ class Transformer(nn.Module):
     head = Head(self.vocab_size, self.tie_embeddings, dtype, name="head")
     return head(h_BxTxD, embed if self.tie_embeddings else None)
 
-
-def count_params(params) -> int:
-  """Number of parameters of a params tree."""
-  return sum(x.size for x in jax.tree.leaves(params))
