@@ -59,6 +59,15 @@ def test_accuracy_digits(tmp_path):
   assert 0 <= result["table"]["cdp-v2"]["mean"] <= 1
 
 
+def test_accuracy_lm(tmp_path):
+  result = _script("accuracy_lm").main(
+      ["--quick", "--rules", "cdp-v2", "--results_dir", str(tmp_path)])
+  assert (tmp_path / "bits_per_byte.png").stat().st_size > 0
+  saved = json.loads((tmp_path / "accuracy_lm.json").read_text())
+  assert saved["table"]["cdp-v2"]["n"] == 1 and saved["runs"][0]["steps"] == 4
+  assert 0 < result["table"]["cdp-v2"]["mean"] < 9 and saved["bigram_bits_per_byte"] > 0
+
+
 FAKE_BENCH = '''
 import argparse, json, os
 p = argparse.ArgumentParser()

@@ -82,7 +82,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.num_epochs = 40.0
   c.num_train_steps = -1  # -1: derived from num_epochs.
 
-  c.optimizer = "sgd"  # sgd (with momentum) or adam.
+  c.optimizer = "sgd"  # sgd (with momentum), adam or adamw.
   c.learning_rate = 0.05
   c.momentum = 0.9
   c.weight_decay = 0.0
@@ -90,6 +90,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.lr_decay_factor = 0.1
   c.lr_decay_every_epochs = 30.0
   c.warmup_epochs = 0.0
+  c.warmup_steps = 0  # > 0: warm-up in steps, instead of warmup_epochs.
+  c.grad_clip_norm = 0.0  # > 0: clip the gradient to this global norm (parallelism=data).
 
   c.seed = 0
   # Also evaluate and save the authors' final model (the mean over workers of
@@ -139,6 +141,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"--config.eval_batch_size={c.eval_batch_size} must be a multiple of num_workers="
         f"{c.num_workers} (evaluation is sharded over the workers).")
+  if c.warmup_steps and c.warmup_epochs:
+    raise ValueError("Set --config.warmup_steps or --config.warmup_epochs, not both.")
+  if c.grad_clip_norm and c.parallelism != "data":
+    raise ValueError(
+        f"--config.grad_clip_norm={c.grad_clip_norm} clips by the norm over all stages, but "
+        f"parallelism={c.parallelism!r} updates each stage on its own device: set "
+        "--config.grad_clip_norm=0 or --config.parallelism=data.")
   if c.parallelism in ("model", "zero") and c.num_workers != c.num_stages:
     raise ValueError(
         f"parallelism={c.parallelism!r} runs N = J micro-batches: set --config.num_workers equal "

@@ -27,7 +27,6 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -38,7 +37,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import config as config_lib
-from cdpjax import data, engine, models, schedule, stages
+from cdpjax import data, engine, models, schedule, stages, tasks
 from cdpjax import executor as executor_lib
 
 
@@ -50,14 +49,10 @@ class Runner(NamedTuple):
   executor: executor_lib.Executor
 
 
-def cross_entropy(logits, labels):
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
 def learning_rate_schedule(c: ml_collections.ConfigDict, steps_per_epoch: int,
                            num_steps: int) -> optax.Schedule:
   """The config's schedule, in steps, after an optional linear warm-up."""
-  warmup = int(round(c.warmup_epochs * steps_per_epoch))
+  warmup = c.warmup_steps or int(round(c.warmup_epochs * steps_per_epoch))
   if c.lr_schedule == "constant":
     main = optax.constant_schedule(c.learning_rate)
   elif c.lr_schedule == "cosine":
@@ -72,15 +67,25 @@ def learning_rate_schedule(c: ml_collections.ConfigDict, steps_per_epoch: int,
 
 
 def make_optimizer(c: ml_collections.ConfigDict, lr: optax.Schedule):
-  """SGD with momentum (coupled weight decay, as PyTorch's SGD) or Adam."""
+  """SGD with momentum (coupled weight decay, as PyTorch's SGD), Adam or AdamW.
+
+  AdamW decays matrices only (kernels, embeddings), not biases or norms.
+  ``grad_clip_norm > 0`` first clips the gradient by its global norm: the
+  engine updates the whole model at once, so the norm is over every stage.
+  """
   if c.optimizer == "sgd":
     opt = optax.sgd(lr, momentum=c.momentum or None)
   elif c.optimizer == "adam":
     opt = optax.adam(lr)
+  elif c.optimizer == "adamw":
+    opt = optax.adamw(lr, weight_decay=c.weight_decay,
+                      mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params))
   else:
-    raise ValueError(f"Unknown optimizer {c.optimizer!r}: use 'sgd' or 'adam'.")
-  if c.weight_decay:
-    return optax.chain(optax.add_decayed_weights(c.weight_decay), opt)
+    raise ValueError(f"Unknown optimizer {c.optimizer!r}: use 'sgd', 'adam' or 'adamw'.")
+  if c.weight_decay and c.optimizer != "adamw":
+    opt = optax.chain(optax.add_decayed_weights(c.weight_decay), opt)
+  if c.grad_clip_norm:
+    opt = optax.chain(optax.clip_by_global_norm(c.grad_clip_norm), opt)
   return opt
 
 
@@ -117,7 +122,7 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
       c.parallelism, model, tx, params=params, model_state=model_state,
       stage_ids=model_stage_ids(c, model, params, sample), sample_input=sample,
       rule=config_lib.delay_rule(c),  # A DelayRule gives the engine each step's delays as data.
-      mesh=mesh, loss_fn=cross_entropy, backend=c.backend)
+      mesh=mesh, loss_fn=tasks.cross_entropy, backend=c.backend)
   if jax.process_index() == 0:
     print(f"cdpjax: {executor.plan.describe()}", flush=True)
   return Runner(init=lambda: executor.init(params, model_state), step=executor.step,
@@ -153,15 +158,17 @@ def make_mesh(c: ml_collections.ConfigDict):
   return jax.sharding.Mesh(np.array(devices), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
-def make_eval_fn(model, mesh):
-  """Sums of correct predictions, loss and weights over one sharded eval batch."""
+def make_eval_fn(task: tasks.Task, mesh):
+  """The task's eval metrics from its sums (e.g. correct, loss, weights) over sharded batches."""
+  axis = mesh.axis_names[0]
+
+  # Per device on its rows, then summed: plain jit cannot infer the sharding
+  # of an embedding lookup with sharded token ids under explicit mesh axes.
   @jax.jit
+  @jax.shard_map(mesh=mesh, in_specs=(P(), P(axis)), out_specs=P())
   def sums(variables, batch):
-    logits = model.apply(variables, batch["image"], train=False)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-    correct = jnp.argmax(logits, -1) == batch["label"]
-    m = batch["mask"]
-    return jnp.sum(correct * m), jnp.sum(losses * m), jnp.sum(m)
+    local = task.eval_sums(task.model.apply(variables, task.inputs(batch), train=False), batch)
+    return jax.lax.psum(local, axis)
 
   replicated = NamedSharding(mesh, P())
 
@@ -174,11 +181,10 @@ def make_eval_fn(model, mesh):
 
   def evaluate(variables, batches):
     variables = jax.tree.map(on_mesh, variables)
-    totals = np.zeros(3)
+    totals = 0.0
     for batch in batches:
       totals += np.array(jax.device_get(sums(variables, to_global(batch, mesh))))
-    correct, loss, count = totals
-    return {"eval/accuracy": float(correct / count), "eval/loss": float(loss / count)}
+    return task.eval_metrics(totals)
   return evaluate
 
 
@@ -547,10 +553,12 @@ class _Run(NamedTuple):
   global_batch: int
   model: Any
   sample: Any
+  task: tasks.Task
 
 
 def _build(c) -> _Run:
-  dataset = data.get_dataset(c.dataset, data_dir=c.data_dir or None)
+  task = tasks.build(c, model_kwargs=_model_kwargs(c))
+  dataset, model, sample = task.dataset, task.model, task.sample_input
   global_batch = c.num_workers * c.per_worker_batch_size
   steps_per_epoch = max(1, dataset.num_train // global_batch)
   num_steps = c.num_train_steps if c.num_train_steps > 0 else int(
@@ -558,16 +566,14 @@ def _build(c) -> _Run:
   lr = learning_rate_schedule(c, steps_per_epoch, num_steps)
   tx = make_optimizer(c, lr)
 
-  model = models.create_model(c.model, dataset.num_classes, **_model_kwargs(c))
-  sample = jnp.zeros((1,) + tuple(dataset.image_shape), jnp.float32)
   # XLA's RNG-bit-generator: a ResNet's ~60 initialisers compile ~4x faster
   # than with threefry (seconds, not a minute, on a CPU).
   init_key = jax.random.key(c.seed, impl="rbg")
   variables = dict(jax.jit(lambda k: model.init(k, sample, train=False))(init_key))
   mesh = make_mesh(c)
   runner = build_runner(c, model, tx, variables, sample, mesh)
-  return _Run(dataset, mesh, runner, make_eval_fn(model, mesh), lr, num_steps, global_batch,
-              model, sample)
+  return _Run(dataset, mesh, runner, make_eval_fn(task, mesh), lr, num_steps, global_batch,
+              model, sample, task)
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -630,6 +636,8 @@ def _train_locked(c, workdir: str) -> dict:
     with open(summary_path) as f:
       return json.load(f)
   log = MetricsLog(workdir, start)
+  if run.task.baseline and start == 0:  # Once per run, not again on resume.
+    log.write(0, run.task.baseline)
   try:
     summary, state = _loop(c, run, state, start, checkpointer, log)
   except BaseException as e:
@@ -656,6 +664,9 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
           log: MetricsLog) -> tuple[dict, Any]:
   """Steps ``start`` to ``num_steps``; returns the summary and the last state."""
   dataset, mesh, runner, num_steps = run.dataset, run.mesh, run.runner, run.num_steps
+  task = run.task
+  tokens_per_step = run.global_batch * task.tokens_per_example
+  last_log = [time.time(), start]  # For tokens per second between two logs.
   batches = dataset.train_batches(run.global_batch, seed=c.seed, start_step=start,
                                   process_index=jax.process_index(),
                                   process_count=jax.process_count())
@@ -673,7 +684,12 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
           f"Non-finite training loss {loss} at step {step}. Lower --config.learning_rate, or "
           "resume from the last checkpoint with a smaller one.")
     if step % c.log_every_steps == 0 or step == num_steps:
-      log.write(step, {**_scalars(metrics), "train/learning_rate": float(run.lr(step - 1))})
+      extra = {}
+      if tokens_per_step:
+        now = time.time()
+        extra["train/tokens_per_second"] = (step - last_log[1]) * tokens_per_step / (now - last_log[0])
+        last_log[:] = now, step
+      log.write(step, {**_scalars(metrics), "train/learning_rate": float(run.lr(step - 1)), **extra})
 
   t0 = time.time()
   pending = None  # The previous step's metrics, fetched after the next step is dispatched.
@@ -686,7 +702,8 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
       while step < num_steps:
         # The health norms are passes over the parameters: only on logged steps.
         logged = (step + 1) % c.log_every_steps == 0 or step + 1 == num_steps
-        state, metrics = runner.step(state, to_global(next(batches), mesh), norms=logged)
+        state, metrics = runner.step(state, to_global(task.pairs(next(batches)), mesh),
+                                     norms=logged)
         step += 1
         if pending is not None:
           check_and_log(*pending)
@@ -701,7 +718,7 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
         if evaluate:
           eval_metrics, eval_step = eval_now(state), step
           log.write(step, eval_metrics)
-          progress.set_postfix(acc=f"{eval_metrics['eval/accuracy']:.3f}")
+          progress.set_postfix({k.split("/")[1]: f"{v:.3f}" for k, v in eval_metrics.items()})
         if save:
           # A checkpoint is a promise that training can go on from it: only
           # finite parameters are saved (checked only on the steps that save).
@@ -724,7 +741,10 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
              "preempted": interrupts.requested is not None, "stopped_by": interrupts.requested,
              "wall_time_s": wall,
              "steps_per_second": (step - start) / wall if step > start else None,
-             "eval_step": eval_step}
+             "eval_step": eval_step,
+             **({"tokens_per_second": (step - start) * tokens_per_step / wall}
+                if tokens_per_step and step > start else {}),
+             **{k.replace("baseline/", ""): v for k, v in task.baseline.items()}}
   # final_* only for an evaluation of the final parameters; otherwise say which step.
   prefix = "final_" if eval_step == step else "eval_"
   summary.update({k.replace("eval/", prefix): v for k, v in eval_metrics.items()})

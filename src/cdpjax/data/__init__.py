@@ -1,7 +1,9 @@
-"""Input data as host numpy batches: the embedded digits set and tfds images.
+"""Input data as host numpy batches: the embedded digits set, tfds images, byte-level text.
 
 Every dataset has ``num_train``, ``num_eval``, ``num_classes``,
-``image_shape``, ``train_batches`` and ``eval_batches`` (see ``Dataset``).
+``image_shape``, ``train_batches`` and ``eval_batches`` (see ``Dataset``);
+the text sets (``TEXT_DATASETS``, `cdpjax.data.text`) yield ``"tokens"``
+windows instead of images and labels.
 The training stream is a pure function of ``(seed, step)``, so a resumed run
 that passes ``start_step`` sees exactly the batches a straight run would.
 """
@@ -11,7 +13,9 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-DATASETS = ("digits", "cifar10", "imagenet2012")
+TEXT_DATASETS = ("python_stdlib", "tiny_shakespeare", "lm1b")
+"""Byte-level language-modelling corpora (`cdpjax.data.text`)."""
+DATASETS = ("digits", "cifar10", "imagenet2012") + TEXT_DATASETS
 """Valid names for ``get_dataset``."""
 
 Batch = dict[str, np.ndarray]
@@ -48,7 +52,8 @@ def get_dataset(name: str, data_dir: str | None = None, **kwargs) -> Dataset:
   Args:
     name: one of ``DATASETS``.
     data_dir: tfds data directory (``None``: the tfds default); unused by digits.
-    **kwargs: passed to the tfds datasets, e.g. ``download=True``.
+    **kwargs: passed to the tfds datasets, e.g. ``download=True``; the text
+      sets require ``seq_len`` and take ``eval_windows``.
   """
   # Imported here so that the digits path never pays for importing TensorFlow.
   if name == "digits":
@@ -57,4 +62,7 @@ def get_dataset(name: str, data_dir: str | None = None, **kwargs) -> Dataset:
   if name in ("cifar10", "imagenet2012"):
     from cdpjax.data import tfds_pipeline
     return getattr(tfds_pipeline, name)(data_dir=data_dir, **kwargs)
+  if name in TEXT_DATASETS:
+    from cdpjax.data import text
+    return text.get_text_dataset(name, data_dir=data_dir, **kwargs)
   raise ValueError(f"Unknown dataset {name!r}. Use one of {', '.join(DATASETS)}.")

@@ -30,14 +30,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from cdpjax import stages as stages_lib
-
-
-def cross_entropy(logits, labels):
-  """Mean softmax cross-entropy with integer labels (the trainer's loss)."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+from cdpjax.tasks import cross_entropy  # The trainer's loss, the default here.
 
 
 class _Layout:
