@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -37,7 +38,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import config as config_lib
-from cdpjax import data, engine, models, schedule, stages, tasks
+from cdpjax import engine, models, schedule, stages, tasks
 from cdpjax import executor as executor_lib
 
 
