@@ -14,7 +14,7 @@ clipped to global norm 1. The launcher logs the bigram baseline of the eval spli
 Arguments: ``rule=`` (dp, cdp-v1, cdp-v2, cdp-v2-paper), ``parallelism=``
 (only ``data`` runs a transformer today), ``size=`` (``SIZES``),
 ``dataset=`` (python_stdlib, tiny_shakespeare, lm1b; the tfds sets need
-``tfds build NAME --data_dir=DIR`` first) and ``smoke``.
+``python -m cdpjax.data.tfds_pipeline NAME --data_dir DIR`` first) and ``smoke``.
 """
 from cdpjax import config as config_lib
 

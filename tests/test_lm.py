@@ -168,7 +168,7 @@ def test_tiny_shakespeare_under_mock_data(tmp_path):
 def test_missing_text_dataset_names_the_preparation_command(tmp_path, name):
   with pytest.raises(tfds_pipeline.DatasetNotPreparedError) as error:
     data.get_dataset(name, data_dir=str(tmp_path), seq_len=8)
-  assert f"tfds build {name} --data_dir={tmp_path}" in str(error.value)
+  assert f"python -m cdpjax.data.tfds_pipeline {name} --data_dir {tmp_path}" in str(error.value)
   assert "python_stdlib" in str(error.value)
 
 

@@ -82,7 +82,8 @@ def tfds_corpus(name: str, data_dir: str | None = None,
       root = os.path.dirname(os.path.dirname(str(builder.data_dir)))  # <root>/<name>/<version>
       raise DatasetNotPreparedError(
           f"tfds dataset {name!r} is not prepared in {builder.data_dir}. To fix it, on a machine "
-          f"with network access run `tfds build {name} --data_dir={root}`, copy {root}/{name} "
+          f"with network access run `python -m cdpjax.data.tfds_pipeline {name} --data_dir {root}` "
+          f"(see the README's Data section), copy {root}/{name} "
           f"here and pass --config.data_dir={root}; or use the offline "
           "--config.dataset=python_stdlib.") from e
     return np.frombuffer(b"\n".join(ex["text"] for ex in ds.as_numpy_iterator()), np.uint8)

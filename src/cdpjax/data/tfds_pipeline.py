@@ -235,6 +235,10 @@ def imagenet2012(data_dir: str | None = None, download: bool = False) -> TfdsDat
   return TfdsDataset(_IMAGENET2012, data_dir, download)
 
 
+PREPARABLE = ("cifar10", "imagenet2012", "tiny_shakespeare", "lm1b")
+"""The tfds datasets the trainer reads, which `prepare` prepares."""
+
+
 def prepare(name: str, data_dir: str | None = None, extracted_dir: str | None = None) -> None:
   """Downloads and prepares a tfds dataset in ``data_dir`` (what ``tfds build`` does).
 
@@ -244,14 +248,15 @@ def prepare(name: str, data_dir: str | None = None, extracted_dir: str | None = 
   ``pip install -e ".[data]"``.
 
   Args:
-    name: ``cifar10`` or ``imagenet2012``.
+    name: one of `PREPARABLE`: ``cifar10``, ``imagenet2012`` or a text set of
+      ``cdpjax.data.text`` (``tiny_shakespeare``, ``lm1b``).
     data_dir: the tfds data directory; ``None`` for the tfds default.
     extracted_dir: for a machine without network access: a directory that
       holds what the dataset's archive extracts to (for CIFAR-10,
       ``cifar-10-batches-bin/``), used instead of downloading it.
   """
-  if name not in ("cifar10", "imagenet2012"):
-    raise ValueError(f"Unknown dataset {name!r}: prepare cifar10 or imagenet2012.")
+  if name not in PREPARABLE:
+    raise ValueError(f"Unknown dataset {name!r}: prepare one of {', '.join(PREPARABLE)}.")
   builder = tfds.builder(name, data_dir=data_dir)
   if extracted_dir is None:
     builder.download_and_prepare()
@@ -267,7 +272,7 @@ def prepare(name: str, data_dir: str | None = None, extracted_dir: str | None = 
 def main(argv=None) -> None:
   """``python -m cdpjax.data.tfds_pipeline cifar10 --data_dir DIR [--extracted_dir DIR]``."""
   parser = argparse.ArgumentParser(description=prepare.__doc__.splitlines()[0])
-  parser.add_argument("name", choices=("cifar10", "imagenet2012"))
+  parser.add_argument("name", choices=PREPARABLE)
   parser.add_argument("--data_dir", default=None, help="tfds data directory (default: tfds's).")
   parser.add_argument("--extracted_dir", default=None,
                       help="the extracted archive, instead of downloading it")
