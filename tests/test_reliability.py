@@ -19,7 +19,6 @@ import time
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 from cdpjax import config as config_lib

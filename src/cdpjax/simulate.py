@@ -36,6 +36,32 @@ class Simulation(NamedTuple):
   history: list
 
 
+def _forward(e, theta, stage_fns, loss_fn, batches, carry, vjps, worker_losses) -> None:
+  """Runs forward event ``e`` at stage parameters ``theta``; the last stage records the loss.
+
+  ``carry`` holds each (worker, step)'s activation, then its cotangent;
+  ``vjps`` the pullbacks its backward will call.
+  """
+  j, key = e.stage, (e.worker, e.step)
+  x, y = batches[e.step][e.worker]
+  h = x if j == 0 else carry.pop(key)
+  out, vjps[key + (j,)] = jax.vjp(stage_fns[j], theta, h)
+  if j == len(stage_fns) - 1:
+    loss, carry[key] = jax.value_and_grad(loss_fn)(out, y)
+    worker_losses[e.step, e.worker] = loss
+  else:
+    carry[key] = out
+
+
+def _backward(e, carry, vjps):
+  """Runs backward event ``e``: returns its stage gradient and passes the cotangent on."""
+  j, key = e.stage, (e.worker, e.step)
+  grad, cotangent = vjps.pop(key + (j,))(carry.pop(key))
+  if j > 0:
+    carry[key] = cotangent
+  return grad
+
+
 def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Sequence[Any],
              tx: optax.GradientTransformation, batches: Sequence[Sequence[tuple]],
              rule, *, speeds=None, jitter=None, max_delay: int = 1) -> Simulation:
@@ -95,7 +121,7 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
   carry = {}  # (worker, step) -> activation going up or cotangent going down.
   worker_losses = np.zeros((num_steps, num_workers))
   for e in events:
-    j, key = e.stage, (e.worker, e.step)
+    j = e.stage
     if e.kind == "fwd":
       ready = versions[j]
       v = e.version
@@ -105,18 +131,9 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
           raise AssertionError(f"{e} read version {v} produced by the simulation.")
       elif v >= len(ready) or ready[v][0] > e.slot:
         raise AssertionError(f"{e} needs a version the simulation has not produced yet.")
-      x, y = batches[e.step][e.worker]
-      h = x if j == 0 else carry.pop(key)
-      out, vjps[key + (j,)] = jax.vjp(stage_fns[j], ready[v][1], h)
-      if j == num_stages - 1:
-        loss, carry[key] = jax.value_and_grad(loss_fn)(out, y)
-        worker_losses[e.step, e.worker] = loss
-      else:
-        carry[key] = out
+      _forward(e, ready[v][1], stage_fns, loss_fn, batches, carry, vjps, worker_losses)
     else:
-      grad, cotangent = vjps.pop(key + (j,))(carry.pop(key))
-      if j > 0:
-        carry[key] = cotangent
+      grad = _backward(e, carry, vjps)
       count, total = grad_sums.pop((e.step, j), (0, None))
       total = grad if total is None else jax.tree.map(jnp.add, total, grad)
       if count + 1 < num_workers:
@@ -196,19 +213,10 @@ def simulate_async(stage_fns: Sequence[Callable], loss_fn: Callable, stage_param
     apply_until(e.slot)
     j, key = e.stage, (e.worker, e.step)
     if e.kind == "fwd":
-      x, y = batches[e.step][e.worker]
-      h = x if j == 0 else carry.pop(key)
       reads[key + (j,)] = applied[j]
-      out, vjps[key + (j,)] = jax.vjp(stage_fns[j], params[j], h)
-      if j == num_stages - 1:
-        loss, carry[key] = jax.value_and_grad(loss_fn)(out, y)
-        worker_losses[e.step, e.worker] = loss
-      else:
-        carry[key] = out
+      _forward(e, params[j], stage_fns, loss_fn, batches, carry, vjps, worker_losses)
     else:
-      grad, cotangent = vjps.pop(key + (j,))(carry.pop(key))
-      if j > 0:
-        carry[key] = cotangent
+      grad = _backward(e, carry, vjps)
       pending.append((e.end, j, e.worker, e.step, grad, reads.pop(key + (j,))))
   apply_until(Fraction(10**18))
   return AsyncSimulation(params, worker_losses.mean(axis=1), staleness, update_times)

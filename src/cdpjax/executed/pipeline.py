@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
-from cdpjax.executed.plan import BWD, FWD, IDLE
+from cdpjax.executed.plan import FWD
 from cdpjax.executed.staged import StagedModel, vary as _vary
 
 TIMETABLES = ("cyclic", "gpipe", "dp+mp")
