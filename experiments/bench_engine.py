@@ -23,6 +23,7 @@ excluded and the median of ``--steps`` steps is taken. Goals: every ratio
   python experiments/bench_engine.py --quick  # seconds
 """
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -79,16 +80,22 @@ def workload(name: str, quick: bool, per_worker_batch: int):
 
 
 def parameter_copies(hlo_text: str, params) -> int:
-  """``copy`` instructions of a parameter leaf's shape in compiled HLO."""
+  """``copy`` instructions that copy a program input (or loop-carried value) of a parameter's shape.
+
+  Copies of computed values (a transposed convolution kernel's gradient, say)
+  are layout changes, not copies of a parameter version.
+  """
   shapes = {f"{jnp.dtype(x.dtype).name.replace('float', 'f')}[{','.join(map(str, x.shape))}]"
             for x in jax.tree.leaves(params)}
   return sum(1 for line in hlo_text.splitlines()
-             if " copy(" in line and line.split("=")[1].split("{")[0].strip() in shapes)
+             if re.search(r" copy\(%(param|get-tuple-element)", line)
+             and line.split("=")[1].split("{")[0].strip() in shapes)
 
 
 def measure(name: str, args) -> dict:
   mesh = jax.make_mesh((NUM_WORKERS,), ("data",))
-  model, batch = workload(name, args.quick, args.per_worker_batch)
+  per_worker_batch = args.per_worker_batch if name == "mlp" else args.resnet_batch
+  model, batch = workload(name, args.quick, per_worker_batch)
   sample = batch["image"][:1]
   variables = model.init(jax.random.key(0), sample, train=False)
   params = variables["params"]
@@ -133,7 +140,7 @@ def measure(name: str, args) -> dict:
   extra = {rule: rows[f"engine {rule}"]["peak_bytes"] - rows["engine dp"]["peak_bytes"]
            for rule in RULES[1:]}
   return {
-      "workload": name, "param_bytes": param_bytes, "per_worker_batch": args.per_worker_batch,
+      "workload": name, "param_bytes": param_bytes, "per_worker_batch": per_worker_batch,
       "variants": rows, "ratios": ratios,
       "extra_peak_over_stale_bytes": {
           rule: extra[rule] / max(1, rows[f"engine {rule}"]["stale_bytes"]) for rule in extra},
@@ -152,12 +159,13 @@ def main(argv=None):
   parser = _common.parser("bench_engine", __doc__)
   parser.add_argument("--steps", type=int, default=30, help="Timed steps per variant.")
   parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--per_worker_batch", type=int, default=32)
+  parser.add_argument("--per_worker_batch", type=int, default=32, help="MLP rows per worker.")
+  parser.add_argument("--resnet_batch", type=int, default=8, help="ResNet images per worker.")
   parser.add_argument("--workloads", nargs="+", default=["mlp", "resnet18"],
                       choices=["mlp", "resnet18"])
   args = parser.parse_args(argv)
   if args.quick:
-    args.steps, args.warmup, args.per_worker_batch = 3, 1, 4
+    args.steps, args.warmup, args.per_worker_batch, args.resnet_batch = 3, 1, 4, 2
   results = [measure(name, args) for name in args.workloads]
   result = {"devices": NUM_WORKERS, "num_stages": NUM_STAGES, "steps": args.steps,
             "workloads": results, "machine": _common.machine()}
@@ -168,8 +176,8 @@ def main(argv=None):
     print(f"== {r['workload']} (parameters {r['param_bytes'] / 1024:.0f} KiB)")
     print(f"{'variant':<18}{'step ms':>9}{'peak KiB':>10}{'stale KiB':>10}{'copies':>7}")
     for name, v in r["variants"].items():
-      print(f"{name:<18}{1e3 * v['median_step_s']:>9.2f}"
-            f"{v.get('peak_bytes', float('nan')) / 1024:>10.1f}"
+      peak = f"{v['peak_bytes'] / 1024:.1f}" if "peak_bytes" in v else "-"
+      print(f"{name:<18}{1e3 * v['median_step_s']:>9.2f}{peak:>10}"
             f"{v.get('stale_bytes', 0) / 1024:>10.1f}{v.get('parameter_copies', ''):>7}")
     for name, v in r["ratios"].items():
       print(f"  {name:<20}{v:.3f}")
