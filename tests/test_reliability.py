@@ -260,3 +260,14 @@ def test_another_model_on_a_config_drops_the_options_it_does_not_take():
   c = _smoke(model="resnet18")  # `--config.model=resnet18` on the digits config.
   assert train._model_kwargs(c) == {"width": 32}  # Not the residual MLP's hidden, num_blocks.
   assert train._model_kwargs(_smoke()) == {"width": 32, "hidden": 64, "num_blocks": 4}
+
+
+def test_a_second_ctrl_c_exits_at_once():
+  """The first Ctrl-C asks for a save; it leaves SIGINT's default action (exit now) for the next."""
+  before = signal.getsignal(signal.SIGINT)
+  with train._Interrupts() as interrupts:  # pylint: disable=protected-access
+    assert signal.getsignal(signal.SIGINT) == interrupts._handle  # pylint: disable=protected-access
+    os.kill(os.getpid(), signal.SIGINT)
+    assert interrupts.requested == "SIGINT" and interrupts.stop_at(1)
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+  assert signal.getsignal(signal.SIGINT) == before
