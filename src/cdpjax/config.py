@@ -148,11 +148,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"--config.grad_clip_norm={c.grad_clip_norm} clips by the norm over all stages, but "
         f"parallelism={c.parallelism!r} updates each stage on its own device: set "
         "--config.grad_clip_norm=0 or --config.parallelism=data.")
-  if c.model == "transformer" and c.parallelism in ("model", "zero"):
-    raise ValueError(
-        f"parallelism={c.parallelism!r} does not run the transformer yet: the executed "
-        "timetables' stage functions (cdpjax.executed.staged) do not cut it correctly. Use "
-        "--config.parallelism=data, which runs every rule.")
   if c.parallelism in ("model", "zero") and c.num_workers != c.num_stages:
     raise ValueError(
         f"parallelism={c.parallelism!r} runs N = J micro-batches: set --config.num_workers equal "

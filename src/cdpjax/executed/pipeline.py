@@ -281,7 +281,7 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     local = lambda tree: jax.tree.map(lambda a: a[0], tree)
     x, labels = batch["image"], batch["label"]
     x_KxMx = x.reshape((tt.num_steps, tt.per_replica, -1) + x.shape[2:])
-    labels_KxMxb = labels.reshape(x_KxMx.shape[:3])
+    labels_KxMxb = labels.reshape(x_KxMx.shape[:3] + labels.shape[2:])  # [..., L] for text.
     act = staged.act_size(jax.ShapeDtypeStruct(x_KxMx.shape[2:], x.dtype))
     stash_size = max(tt.num_stages - 1, 1) if tt.name == "cyclic" else tt.per_replica
     zeros_K = jnp.zeros((tt.num_steps,), jnp.float32)
@@ -367,7 +367,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
   def prepare(state: StagedState, batch):
     executor_lib.check_versions(state, plan)
     if not isinstance(batch, dict) or set(batch) != {"image", "label"}:
-      raise ValueError("The batch must be a dict with keys 'image' [N*b, ...] and 'label' [N*b].")
+      raise ValueError("The batch must be a dict with keys 'image' [N*b, ...] and 'label' "
+                       "[N*b, ...].")
     batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
     if scan_steps is None:
       batch = {k: v[None] for k, v in batch.items()}
@@ -375,8 +376,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
       raise ValueError(f"With scan_steps={scan_steps} batch leaves need shape "
                        f"[{scan_steps}, N*b, ...]; got {[v.shape for v in batch.values()]}.")
     rows = batch["image"].shape[1]
-    if batch["label"].shape != (tt.num_steps, rows):
-      raise ValueError(f"label must have shape [N*b] matching image rows {rows}; got "
+    if batch["label"].shape[:2] != (tt.num_steps, rows):
+      raise ValueError(f"label must have shape [N*b, ...] matching image rows {rows}; got "
                        f"{batch['label'].shape}.")
     if rows % num_micro or rows == 0:
       raise ValueError(f"Batch size {rows} is not divisible by the N={num_micro} micro-batches: "

@@ -118,7 +118,11 @@ class Embed(nn.Module):
     self.tokens = nn.Embed(self.vocab_size, self.d_model, embedding_init=init,
                            param_dtype=jnp.float32, dtype=self.dtype)
     if self.positions == "learned":
-      self.position = self.param("position", init, (self.seq_len, self.d_model), jnp.float32)
+      # A submodule, read in __call__, so the table is looked up only when the
+      # unit runs: the executed timetables run the model with one stage's
+      # parameters, and a setup-time param of another stage would be missing.
+      self.position = nn.Embed(self.seq_len, self.d_model, embedding_init=init,
+                               param_dtype=jnp.float32)
 
   def __call__(self, tokens_BxT):
     t = tokens_BxT.shape[1]
@@ -126,7 +130,7 @@ class Embed(nn.Module):
       raise ValueError(f"Sequence of {t} tokens is longer than seq_len={self.seq_len}.")
     h_BxTxD = self.tokens(tokens_BxT).astype(jnp.float32)
     if self.positions == "learned":
-      h_BxTxD = h_BxTxD + self.position[None, :t]
+      h_BxTxD = h_BxTxD + self.position.embedding[None, :t]
     return h_BxTxD
 
   def attend(self, h_BxTxD):
