@@ -252,6 +252,21 @@ def test_rotated_versions_come_back_in_state_order():
     assert_tree_close(state.stale_params[0], previous)
 
 
+def test_worker_views_of_a_compact_state():
+  """cdp-v2 at N = J = 2 keeps no stale copy of stage 1; worker 0 reads stage 0 stale."""
+  params, stage_ids, batch = make_problem(2, 2)
+  tx = optax.sgd(0.1)
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule="cdp-v2", mesh=mesh_of(2))
+  state, _ = step(step.init(params), batch)
+  delays = schedule.delay_matrix("cdp-v2", 2, 2)
+  views = engine.worker_views(state, stage_ids, delays)
+  assert_tree_close(views[0]["Dense_0"], state.stale_params[0]["Dense_0"])
+  assert_tree_close(views[0]["Dense_1"], state.params["Dense_1"])
+  assert_tree_close(views[1], state.params)
+  with pytest.raises(ValueError, match="keeps no such version"):
+    engine.worker_views(state, stage_ids, np.ones((2, 2), int))
+
+
 def test_init_state_of_another_rule_is_refused_or_trimmed():
   params, stage_ids, batch = make_problem(4, 2)
   tx = optax.sgd(0.1)

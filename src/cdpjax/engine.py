@@ -260,9 +260,16 @@ def worker_views(state: CyclicState, stage_ids, delays) -> list:
     raise ValueError(
         f"delays reach {delays.max()} but the state keeps {len(state.stale_params)} stale "
         "versions: pass the delay matrix of the rule the state was built for.")
-  versions = state.versions
-  return [jax.tree.map(lambda s, *vs, row=row: vs[int(row[s])], stage_ids, *versions)
-          for row in delays]
+  versions = _version_leaves(state)  # None where a stage keeps no such version.
+  ids, treedef = jax.tree.flatten(stage_ids)
+  views = []
+  for row in delays:
+    leaves = [versions[int(row[s])][k] for k, s in enumerate(ids)]
+    if any(x is None for x in leaves):
+      raise ValueError("The state keeps no such version of a stage these delays read: pass the "
+                       "delay matrix of the rule the state was built for.")
+    views.append(jax.tree.unflatten(treedef, leaves))
+  return views
 
 
 def mean_worker_view(state: CyclicState, stage_ids, delays):
