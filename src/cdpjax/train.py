@@ -47,7 +47,6 @@ class Runner(NamedTuple):
   init: Callable[[], Any]                    # -> state at step 0.
   step: Callable[..., tuple]                 # (state, global batch, norms=) -> (state, metrics).
   variables: Callable[[Any], dict]           # state -> flax variables of theta_t.
-  executor: executor_lib.Executor
 
 
 def learning_rate_schedule(c: ml_collections.ConfigDict, steps_per_epoch: int,
@@ -127,7 +126,7 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
   if jax.process_index() == 0:
     print(f"cdpjax: {executor.plan.describe()}", flush=True)
   return Runner(init=lambda: executor.init(params, model_state), step=executor.step,
-                variables=executor.variables, executor=executor)
+                variables=executor.variables)
 
 
 def make_mesh(c: ml_collections.ConfigDict):
