@@ -115,7 +115,9 @@ def crash(tmp_path_factory) -> Crash:
   workdir = tmp_path / "two_processes"
   args = ["--config=configs/digits.py:smoke", "--config.lr_schedule=constant",
           "--config.eval_every_steps=2", "--config.checkpoint_every_steps=2"]
-  with Processes(workdir, *args, "--config.num_train_steps=1000000", timeout_s=10) as run:
+  # 10 s once let a heartbeat go missing on the loaded 2 cores (both processes were
+  # declared dead before the first checkpoint); the survivor still fails well within 90 s.
+  with Processes(workdir, *args, "--config.num_train_steps=1000000", timeout_s=20) as run:
     deadline = time.time() + RUN_TIMEOUT_S
     while not any(p.isdigit() for p in _listdir(workdir / "checkpoints")):
       assert time.time() < deadline and run.procs[0].poll() is None, run.output(0)[-3000:]
