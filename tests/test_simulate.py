@@ -127,6 +127,22 @@ def test_matches_the_update_rule_with_adam(rule, num_workers, num_stages):
   assert result.worker_losses.shape == (STEPS, num_workers)
 
 
+@pytest.mark.parametrize("timetable,rule,num_workers,num_stages", [
+    ("cyclic", "cdp-v2", 3, 3),
+    ("cyclic", "cdp-v1", 2, 2),
+    ("gpipe", "dp", 4, 3),
+    ("dp+mp", "dp", 2, 3),
+])
+def test_executed_timetables_run_the_update_rule(timetable, rule, num_workers, num_stages):
+  # The executors' slot plan, run event by event, realises the rule's update.
+  params, batches = setup(num_workers, num_stages, seed=3)
+  tx = optax.adam(0.05)
+  result = simulate([dense] * num_stages, mse, params, tx, batches, rule, timetable=timetable)
+  history, losses = reference(params, batches, tx, schedule.resolve(rule, num_workers, num_stages))
+  assert_trees_close(result.history, history)
+  np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+
+
 def test_errors():
   params, batches = setup(num_workers=2, num_stages=2)
   with pytest.raises(ValueError, match="one parameter pytree per stage"):
@@ -137,6 +153,9 @@ def test_errors():
     run(params, [], optax.sgd(LR), "dp")
   with pytest.raises(ValueError, match="Unknown rule"):
     run(params, batches, optax.sgd(LR), "cdp")
+  with pytest.raises(ValueError, match="equal speeds"):
+    simulate([dense] * 2, mse, params, optax.sgd(LR), batches, "cdp-v2", speeds=[1, 2],
+             timetable="cyclic")
 
 
 # Asynchronous updates.

@@ -8,9 +8,12 @@ devices a ring all-reduce costs ``2(n-1) alpha + 2(n-1)/n beta M``, a ring
 all-gather or reduce-scatter ``(n-1) alpha + (n-1)/n beta M``.
 
 Time is the slot model of ``cdpjax.schedule``: a stage forward or backward of
-one micro-batch takes one slot. DP, CDP, ZeRO and DP+MP read their activation
-lifetimes off ``schedule.timeline`` (DP in lockstep, CDP on the cyclic
-timeline); GPipe and 1F1B off a list schedule of their per-device op orders.
+one micro-batch takes one slot. DP, ZeRO and DP+MP read their activation
+lifetimes off ``schedule.timeline`` (in lockstep, or on the cyclic timeline for
+a delayed rule). The schedules that cdpjax executes, GPipe, CDP+MP and CDP+ZeRO,
+are read off the executors' own slot plan (``cdpjax.executed.plan``): their
+events, and for CDP+ZeRO the point-to-point transfers. 1F1B, which cdpjax does
+not execute, is a list schedule of its per-device op orders.
 
 Notation: ``N`` workers (= micro-batches per step), ``J`` stages, ``P_j``
 parameter bytes of stage ``j`` (``Psi_P = sum P_j``), ``A_j`` activation bytes
@@ -25,6 +28,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from cdpjax import schedule
+from cdpjax.executed import plan as plan_lib
 
 
 class Workload(NamedTuple):
@@ -247,12 +251,6 @@ def list_schedule(orders: Sequence[Sequence[tuple[str, int]]]) -> list[schedule.
   return sorted(events)
 
 
-def gpipe_orders(num_micro: int, num_stages: int) -> list[list[tuple[str, int]]]:
-  """GPipe: every device runs all forwards, then all backwards."""
-  return [[("fwd", m) for m in range(num_micro)] + [("bwd", m) for m in range(num_micro)]
-          for _ in range(num_stages)]
-
-
 def one_f_one_b_orders(num_micro: int, num_stages: int) -> list[list[tuple[str, int]]]:
   """1F1B (PipeDream-Flush): ``J-1-j`` warm-up forwards, then alternate, then drain."""
   orders = []
@@ -298,9 +296,15 @@ def activation_bytes_profile(events, stage_bytes, device_of: Callable[[schedule.
   return DeviceProfile(alive.max(1), alive.mean(1), float(total.max()), float(total.mean()))
 
 
-def _steady_timeline(rule, num_workers: int, num_stages: int):
-  """A 3-step timeline and its steady-state window (the middle step's period)."""
-  events = schedule.timeline(rule, num_workers, num_stages, 3)
+def _steady_timeline(rule, num_workers: int, num_stages: int, *, executed: bool = False):
+  """A 3-step timeline and its steady-state window (the middle step's period).
+
+  ``executed``: the events of the executed cyclic timetable (`plan`, ``N = J``).
+  """
+  if executed:
+    events = plan_lib.executed_events("cyclic", rule, num_stages, 3)
+  else:
+    events = schedule.timeline(rule, num_workers, num_stages, 3)
   period = 2 * num_stages
   return events, (period, 2 * period)
 
@@ -435,9 +439,8 @@ def dp_mp(n: int, w: Workload, net: Network = Network()) -> Cost:
               grad_ready_peak(events, w.stage_param_bytes, n, window), 2 * J, 1 - 1 / J, 0, 0.0)
 
 
-def _flushed_pipeline(name: str, orders, n: int, w: Workload, net: Network) -> Cost:
+def _flushed_pipeline(name: str, events, n: int, w: Workload, net: Network) -> Cost:
   J = w.num_stages
-  events = list_schedule(orders)
   length = int(max(e.slot for e in events)) + 1
   prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.stage, J,
                                   (0, length), 1)
@@ -448,12 +451,13 @@ def _flushed_pipeline(name: str, orders, n: int, w: Workload, net: Network) -> C
 
 def gpipe(n: int, w: Workload, net: Network = Network()) -> Cost:
   """GPipe on ``J`` devices: ``N`` micro-batches, all forwards, all backwards, flush."""
-  return _flushed_pipeline("gpipe", gpipe_orders(n, w.num_stages), n, w, net)
+  events = plan_lib.executed_events("gpipe", "dp", w.num_stages, 1, num_micro_batches=n)
+  return _flushed_pipeline("gpipe", events, n, w, net)
 
 
 def one_f_one_b(n: int, w: Workload, net: Network = Network()) -> Cost:
   """1F1B (PipeDream-Flush) on ``J`` devices: stage ``j`` stashes at most ``J-j`` micro-batches."""
-  return _flushed_pipeline("1f1b", one_f_one_b_orders(n, w.num_stages), n, w, net)
+  return _flushed_pipeline("1f1b", list_schedule(one_f_one_b_orders(n, w.num_stages)), n, w, net)
 
 
 def _check_cyclic_square(name: str, n: int, w: Workload) -> None:
@@ -466,7 +470,7 @@ def cdp_mp(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") -> C
   """CDP + model parallelism: ``J`` devices, device ``j`` runs stage ``j`` of every micro-batch."""
   _check_cyclic_square("cdp+mp", n, w)
   J = w.num_stages
-  events, window = _steady_timeline(rule, n, J)
+  events, window = _steady_timeline(rule, n, J, executed=True)
   prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.stage, J,
                                   window, n)
   # Device j's ring buffer holds D + 1 whole versions of its stage, stale or not.
@@ -480,23 +484,26 @@ def cdp_mp(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") -> C
 def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") -> Cost:
   """CDP + ZeRO: worker ``r`` owns stage ``J-1-r``; stages and gradients travel a ring.
 
-  Per step and stage, each of the ``N-1`` non-owners receives the stage once
-  for its forward and once for its backward, and the gradient reaches the
-  owner in ``N-1`` hops: ``3(N-1)`` point-to-point messages of ``P_j`` bytes.
-  Its ``Communication`` is the average device's: ``3(N-1)`` messages.
+  The messages are the executor's (`plan.cyclic_transfers`): per step and
+  stage, each of the ``N-1`` non-owners receives the stage once for its forward
+  and once for its backward, and the gradient reaches the owner in ``N-1``
+  hops, ``3(N-1)`` point-to-point messages of ``P_j`` bytes. Its
+  ``Communication`` is the average device's.
   """
   _check_cyclic_square("cdp+zero", n, w)
   J, P, k = w.num_stages, w.param_bytes, w.optimizer_factor
-  events, window = _steady_timeline(rule, n, J)
+  events, window = _steady_timeline(rule, n, J, executed=True)
   prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.worker, n,
                                   window, n)
   versions = 1 + schedule.max_delay(rule)  # The owner keeps D + 1 whole versions of its stage.
   pmax = max(w.stage_param_bytes)
   memories = [Memory(versions * p, p, k * p, 2 * pmax, prof.peak[J - 1 - j], prof.mean[J - 1 - j])
               for j, p in enumerate(w.stage_param_bytes)]
-  hops = 3 * (n - 1)  # Per stage: N-1 forward and N-1 backward receipts, N-1 gradient hops.
-  comms = (Communication("p2p", "parameters+gradients", 2, hops, hops / n * P, hops / n * P,
-                         hops * P, hops * net.alpha + hops / n * net.beta * P),)
+  transfers = plan_lib.cyclic_transfers(schedule.resolve(rule, n, J))
+  hops = len(transfers) // n  # Messages per step received by the average device.
+  total = float(sum(w.stage_param_bytes[t.stage] for t in transfers))
+  comms = (Communication("p2p", "parameters+gradients", 2, hops, total / n, total / n,
+                         total, hops * net.alpha + total / n * net.beta),)
   return Cost("cdp+zero", n, _busiest(memories),
               _memory_sum(memories, prof.total_peak, prof.total_mean), comms,
               grad_ready_peak(events, w.stage_param_bytes, n, window), 2 * J, 0.0,

@@ -1,6 +1,7 @@
 """The reference oracle: executes the timeline event by event on one device.
 
-A plain Python loop over ``schedule.timeline``. Each stage forward and backward
+A plain Python loop over ``schedule.timeline``, or over the events of an
+executed timetable from the executors' own slot plan (``cdpjax.executed.plan``). Each stage forward and backward
 runs at its slot, a stage is updated when the last of its ``N`` gradients of the
 step arrives, and a forward reads the parameter version its rule asks for from
 the versions this loop has produced so far. Slow and easy to audit: the engine's
@@ -17,6 +18,7 @@ import numpy as np
 import optax
 
 from cdpjax import schedule
+from cdpjax.executed import plan as plan_lib
 
 
 class Simulation(NamedTuple):
@@ -64,7 +66,8 @@ def _backward(e, carry, vjps):
 
 def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Sequence[Any],
              tx: optax.GradientTransformation, batches: Sequence[Sequence[tuple]],
-             rule, *, speeds=None, jitter=None, max_delay: int = 1) -> Simulation:
+             rule, *, speeds=None, jitter=None, max_delay: int = 1,
+             timetable: str | None = None) -> Simulation:
   """Runs ``len(batches)`` training steps of ``rule``, one timeline event at a time.
 
   Events run in time order; a backward's gradient counts from its end (its
@@ -93,6 +96,9 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
       ``schedule.timeline`` (rule ``cdp-v2``): events then last
       ``(1 + jitter) / speed`` slots, and a forward reads the newest version
       this loop has produced when it starts.
+    timetable: run the events that an executor runs instead of the timeline:
+      ``cyclic`` (CDP+MP, ``N = J``), ``gpipe`` or ``dp+mp``
+      (`plan.executed_events`), with equal speeds.
 
   Returns:
     A ``Simulation``.
@@ -111,8 +117,14 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
         f"{[len(step) for step in batches]}.")
   reads_newest = isinstance(rule, str) and rule in ("dp", "cdp-v2")
   lockstep = None if schedule.is_causal(rule, num_workers, num_stages) else True
-  events = schedule.timeline(rule, num_workers, num_stages, num_steps, lockstep=lockstep,
-                             speeds=speeds, jitter=jitter, max_delay=max_delay)
+  if timetable is None:
+    events = schedule.timeline(rule, num_workers, num_stages, num_steps, lockstep=lockstep,
+                               speeds=speeds, jitter=jitter, max_delay=max_delay)
+  elif speeds is not None or jitter is not None:
+    raise ValueError("An executed timetable runs at equal speeds: drop speeds and jitter, or "
+                     "timetable.")
+  else:
+    events = plan_lib.executed_events(timetable, rule, num_stages, num_steps, num_workers)
 
   versions = [[(Fraction(0), p)] for p in stage_params]  # Per stage: (ready slot, theta_v).
   opt_states = [tx.init(p) for p in stage_params]
