@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from cdpjax import engine  # pylint: disable=g-import-not-at-top
+  from cdpjax import engine, stages  # pylint: disable=g-import-not-at-top
 
   x, y = least_squares_problem(1797 // n * n)
   theta_star = np.linalg.lstsq(x.astype(np.float64), y, rcond=None)[0]
@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
   runs = []
   for rule in RULES:
     step = engine.make_train_step(loss_fn, sgd(learning_rate=0.0), rule=rule, mesh=mesh,
-                                  stage_ids={name: s for s, name in enumerate(names)})
+                                  stage_ids=stages.grouped(init))
     for fraction in fractions:
       lr = 2 * fraction / lipschitz
       state = engine.init_state(init, sgd(learning_rate=lr), rule=rule)
@@ -216,7 +216,7 @@ def thresholds(x, y, rows, names, mesh, args) -> list:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from cdpjax import engine, schedule, stability  # pylint: disable=g-import-not-at-top
+  from cdpjax import engine, schedule, stability, stages  # pylint: disable=g-import-not-at-top
   n, j = args.num_workers, args.num_stages
   x64 = x.astype(np.float64)
   hessians = np.stack([xi.T @ xi / len(xi) for xi in np.split(x64, n)])
@@ -242,7 +242,7 @@ def thresholds(x, y, rows, names, mesh, args) -> list:
       predicted = stability.stability_limit(hessians, stage_of_coord, matrix)
       how = "companion matrix"
     step = engine.make_train_step(loss_fn, sgd(learning_rate=0.0), rule=rule, mesh=mesh,
-                                  stage_ids={name: s for s, name in enumerate(names)},
+                                  stage_ids=stages.grouped(init),
                                   scan_steps=chunk)
 
     def unstable(lr_times_l):

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from cdpjax import config as config_lib
-from cdpjax import engine, schedule, train
+from cdpjax import engine, schedule, stages, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N, J, D = 4, 3, 2
@@ -31,7 +31,7 @@ def problem(num_steps, width=4, per_worker=2, seed=0):
   batches = [{"x": rng.normal(size=(N * per_worker, width)).astype(np.float32),
               "y": rng.normal(size=(N * per_worker, width)).astype(np.float32)}
              for _ in range(num_steps)]
-  return params, [{"w": j, "b": j} for j in range(J)], batches
+  return params, stages.grouped(params), batches
 
 
 def reference(params, batches, delays_TxNxJ, tx):

@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from cdpjax import engine, schedule, simulate
+from cdpjax import engine, schedule, simulate, stages
 
 WIDTH = 3
 STEPS = 3
@@ -36,7 +36,7 @@ def test_engine_equals_simulator(num_workers, num_stages):
       h = stage_fn(p, h)
     return micro_loss(h, batch["y"])
 
-  stage_ids = [{"w": j, "b": j} for j in range(num_stages)]
+  stage_ids = stages.grouped(stage_params)
   mesh = jax.make_mesh((num_workers,), ("data",), devices=jax.devices()[:num_workers])
   batches = {"x": xs.reshape(STEPS, -1, WIDTH), "y": ys.reshape(STEPS, -1, WIDTH)}
   # One compiled engine step serves SGD and SGD+momentum: momentum is a state
@@ -83,7 +83,7 @@ def test_engine_equals_simulator_with_unequal_workers():
   assert rule.window(0, steps).max() == bound  # Not cdp-v2 in disguise.
   mesh = jax.make_mesh((num_workers,), ("data",), devices=jax.devices()[:num_workers])
   tx = optax.sgd(0.3, momentum=0.9)
-  step = engine.make_train_step(loss_fn, tx, stage_ids=[{"w": j, "b": j} for j in range(num_stages)],
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stages.grouped(stage_params),
                                 rule=rule, mesh=mesh, scan_steps=steps)
   state, metrics = step(engine.init_state(stage_params, tx, rule=rule),
                         {"x": xs.reshape(steps, -1, WIDTH), "y": ys.reshape(steps, -1, WIDTH)})

@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from cdpjax import engine, schedule, stability
+from cdpjax import engine, schedule, stability, stages
 
 N, J, FEATURES, ROWS = 4, 2, 6, 12
 STEPS = 300
@@ -66,7 +66,7 @@ def engine_runs():
 
   def run(rule, lr_times_l):
     if rule not in steps:
-      steps[rule] = engine.make_train_step(loss_fn, sgd(learning_rate=0.0), stage_ids=[0, 1],
+      steps[rule] = engine.make_train_step(loss_fn, sgd(learning_rate=0.0), stage_ids=stages.grouped(init),
                                            rule=rule, mesh=mesh, scan_steps=STEPS)
     state = engine.init_state(init, sgd(learning_rate=lr_times_l / big_l), rule=rule)
     _, metrics = steps[rule](state, batch)

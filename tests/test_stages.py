@@ -200,3 +200,10 @@ def test_errors(kwargs, match):
 def test_variables_instead_of_params_names_the_fix():
   with pytest.raises(ValueError, match=r"Pass variables\['params'\]"):
     stages.partition({"params": _unit_params([1, 2])}, 2, order=["u0", "u1"])
+
+
+def test_grouped_stage_ids():
+  stage_list = [{"w": np.zeros(2), "b": np.zeros(1)}, {"w": np.zeros(3)}]
+  assert stages.grouped(stage_list) == [{"w": 0, "b": 0}, {"w": 1}]
+  assert stages.grouped({"first": np.zeros(2), "second": {"k": np.zeros(1)}}) == {
+      "first": 0, "second": {"k": 1}}

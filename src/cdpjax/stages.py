@@ -273,3 +273,15 @@ def stage_sizes(params, stage_ids) -> list[int]:
   for stage, size in pairs:
     sizes[stage] += size
   return sizes
+
+
+def grouped(stage_params):
+  """Stage ids of parameters already grouped by stage: entry ``j`` is stage ``j``.
+
+  ``stage_params`` is a sequence of ``J`` stage pytrees, or a mapping whose
+  values are (in order), e.g. ``[{"w": ..., "b": ...}] * J`` gives
+  ``[{"w": 0, "b": 0}, {"w": 1, "b": 1}, ...]``.
+  """
+  if isinstance(stage_params, Mapping):
+    return {k: jax.tree.map(lambda _, j=j: j, v) for j, (k, v) in enumerate(stage_params.items())}
+  return [jax.tree.map(lambda _, j=j: j, p) for j, p in enumerate(stage_params)]
