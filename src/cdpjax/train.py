@@ -45,7 +45,7 @@ from cdpjax import executor as executor_lib
 class Runner(NamedTuple):
   """An executor bound to the run's initial variables (what the loop needs)."""
   init: Callable[[], Any]                    # -> state at step 0.
-  step: Callable[..., tuple]                 # (state, k host batches, k norms flags) -> (state, [k] metrics).
+  step: Callable[..., tuple]                 # (state, k batches, k norms flags) -> (state, [k] metrics).
   variables: Callable[[Any], dict]           # state -> flax variables of theta_t.
   steps_per_call: int                        # K: the steps of one compiled call.
   idle_fraction: float                       # Idle device-slots of the executed K-step call.
@@ -147,8 +147,8 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
   plan = executors[num].plan
   idle = plan.idle_fraction(num)
   if jax.process_index() == 0:
-    print(f"cdpjax: {plan.describe()}; {num} steps per compiled call, idle fraction "
-          f"{idle:.3f} ({plan.idle_fraction(1):.3f} at one step per call)", flush=True)
+    print(f"cdpjax: {plan.describe()}; steps per compiled call: {num}, idle fraction {idle:.3f} "
+          f"({plan.idle_fraction(1):.3f} at one step per call)", flush=True)
 
   def step(state, batches, norms):
     k = len(batches)
@@ -490,10 +490,14 @@ class _Interrupts:
     for s, previous in self._previous.items():
       signal.signal(s, previous)
 
-  def stop_at(self, step: int) -> bool:
-    """Whether to checkpoint and stop after ``step``; every process calls it once per step."""
+  def stop_at(self, call: int) -> bool:
+    """Whether to checkpoint and stop now; every process calls it after each call, numbered.
+
+    JAX's sync point is the largest number the processes reported, plus one:
+    so the numbers are consecutive (calls, not steps, which advance by ``K``).
+    """
     if jax.process_count() > 1:
-      if multihost_utils.reached_preemption_sync_point(step):
+      if multihost_utils.reached_preemption_sync_point(call):
         self.requested = "SIGTERM"
       return self.requested is not None
     return self.requested is not None
@@ -582,7 +586,7 @@ class _Run(NamedTuple):
   dataset: Any
   mesh: Any
   runner: Runner
-  evaluate: Callable
+  evaluate: Callable                         # variables -> eval metrics (one pass).
   lr: optax.Schedule
   num_steps: int
   global_batch: int
@@ -607,8 +611,10 @@ def _build(c) -> _Run:
   variables = dict(jax.jit(lambda k: model.init(k, sample, train=False))(init_key))
   mesh = make_mesh(c)
   runner = build_runner(c, model, tx, variables, sample, mesh)
-  return _Run(dataset, mesh, runner, make_eval_fn(task, mesh), lr, num_steps, global_batch,
-              model, sample, task)
+  evaluate = make_eval_fn(task, mesh)
+  return _Run(dataset, mesh, runner, lambda v: evaluate(v, dataset.eval_batches(
+      c.eval_batch_size, process_index=jax.process_index(), process_count=jax.process_count())),
+              lr, num_steps, global_batch, model, sample, task)
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -685,10 +691,7 @@ def _train_locked(c, workdir: str) -> dict:
   checkpointer.close()
   if c.final_mean_view and not summary["preempted"]:
     summary.update(export_final_models(
-        c, state, run.runner.variables, run.model, run.sample, workdir,
-        lambda v: run.evaluate(v, run.dataset.eval_batches(
-            c.eval_batch_size, process_index=jax.process_index(),
-            process_count=jax.process_count()))))
+        c, state, run.runner.variables, run.model, run.sample, workdir, run.evaluate))
   if jax.process_index() == 0:
     with open(summary_path, "w") as f:
       json.dump(summary, f, indent=2)
@@ -711,7 +714,7 @@ class _StepLog:
   def __call__(self, first: int, metrics: dict) -> None:
     """``metrics`` of steps ``first, first + 1, ...`` (leading ``[k]`` axis)."""
     metrics = jax.device_get(metrics)
-    losses = np.asarray(metrics["loss"]).reshape(len(metrics["loss"]), -1).mean(axis=1)
+    losses = np.asarray(metrics["loss"])
     bad = np.flatnonzero(~np.isfinite(losses))
     if bad.size:
       raise NonFiniteError(
@@ -745,13 +748,9 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
                                   process_index=jax.process_index(),
                                   process_count=jax.process_count())
 
-  def eval_now(state):
-    return run.evaluate(runner.variables(state), dataset.eval_batches(
-        c.eval_batch_size, process_index=jax.process_index(), process_count=jax.process_count()))
-
   t0 = time.time()
   pending = None  # The previous call's metrics, fetched after the next call is dispatched.
-  step = start
+  step, calls = start, 0
   eval_metrics, eval_step = {}, None
   progress = tqdm.tqdm(total=num_steps, initial=start, disable=jax.process_index() != 0,
                        desc="train", unit="step")
@@ -766,15 +765,16 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
           check_and_log(*pending)
         pending = (step + 1, metrics)
         step += k
+        calls += 1
         progress.update(k)
-        stop = interrupts.stop_at(step)
+        stop = interrupts.stop_at(calls)
         save = step % c.checkpoint_every_steps == 0 or step == num_steps or stop
         evaluate = step % c.eval_every_steps == 0 or step == num_steps
         if save or evaluate:
           check_and_log(*pending)
           pending = None
         if evaluate:
-          eval_metrics, eval_step = eval_now(state), step
+          eval_metrics, eval_step = run.evaluate(runner.variables(state)), step
           log.write(step, eval_metrics)
           progress.set_postfix({k.split("/")[1]: f"{v:.3f}" for k, v in eval_metrics.items()})
         if save:
@@ -794,7 +794,7 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
     progress.close()
   wall = time.time() - t0
   if step == num_steps and eval_step != step:  # Finished earlier, but no summary was written.
-    eval_metrics, eval_step = eval_now(state), step
+    eval_metrics, eval_step = run.evaluate(runner.variables(state)), step
   tokens_per_step = check_and_log.tokens_per_step
   summary = {"final_step": step, "num_train_steps": num_steps,
              "preempted": interrupts.requested is not None, "stopped_by": interrupts.requested,
