@@ -3,8 +3,9 @@
 ``train_and_evaluate(config, workdir)`` builds the model, data, mesh and the
 train step of ``config.parallelism`` (``data``: the update-rule engine;
 ``model``: the executed CDP+MP pipeline; ``zero``: the executed CDP+ZeRO
-ring), resumes from the newest checkpoint in ``workdir`` and trains, writing
-``config.json``, ``metrics.jsonl``, TensorBoard events and ``summary.json``.
+ring), resumes from the newest checkpoint in ``workdir`` and trains, ``K``
+steps per compiled call (`steps_per_call`), writing ``config.json``,
+``metrics.jsonl``, TensorBoard events and ``summary.json``.
 
 Faults and misuse: the workdir is locked; a resume refuses a config change
 that would change the trajectory (``RESUMABLE_KEYS`` may change) and falls
@@ -45,7 +46,7 @@ from cdpjax import executor as executor_lib
 class Runner(NamedTuple):
   """An executor bound to the run's initial variables (what the loop needs)."""
   init: Callable[[], Any]                    # -> state at step 0.
-  step: Callable[..., tuple]                 # (state, k batches, k norms flags) -> (state, [k] metrics).
+  step: Callable[..., tuple]                 # (state, k batches, k norms flags) -> (state, [k] metrics)
   variables: Callable[[Any], dict]           # state -> flax variables of theta_t.
   steps_per_call: int                        # K: the steps of one compiled call.
   idle_fraction: float                       # Idle device-slots of the executed K-step call.
@@ -759,8 +760,8 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
       while step < num_steps:
         k = min(num - step % num, num_steps - step)
         # The health norms are passes over the parameters: only on logged steps.
-        state, metrics = runner.step(state, [task.pairs(next(batches)) for _ in range(k)],
-                                     [_logged(c, s, num_steps) for s in range(step + 1, step + k + 1)])
+        norms = [_logged(c, s, num_steps) for s in range(step + 1, step + k + 1)]
+        state, metrics = runner.step(state, [task.pairs(next(batches)) for _ in range(k)], norms)
         if pending is not None:
           check_and_log(*pending)
         pending = (step + 1, metrics)
