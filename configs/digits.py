@@ -6,8 +6,8 @@ CDP-v2); ``model=resnet18`` runs a ResNet-18 with the CIFAR stem on the same
 and ``parallelism=zero`` run N = J = 4 workers (the executed timetables need
 one micro-batch per stage); under them rule ``dp`` runs GPipe and ZeRO-3.
 Every run takes ``steps_per_call`` = 16 steps per compiled call, lowered to
-10 by the eval and checkpoint intervals (100, 200), 2 under ``smoke``; set
-``--config.steps_per_call=1`` to fill and drain the pipeline every step.
+10 by the eval and checkpoint intervals (100, 200); ``smoke`` takes 1, and
+``--config.steps_per_call=1`` fills and drains the pipeline every step.
 
   cdpjax-train --config configs/digits.py --workdir runs/digits
   cdpjax-train --config configs/digits.py:rule=dp,smoke --workdir runs/digits-smoke

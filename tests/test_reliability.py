@@ -68,7 +68,7 @@ def last_line(stderr):
 # below runs K = 1 (checkpoints every step) and must replay the same losses: a
 # constant learning rate, which does not depend on num_train_steps.
 LONG = ("num_train_steps=100000", "eval_every_steps=100000", "checkpoint_every_steps=4",
-        "lr_schedule=constant")
+        "steps_per_call=16", "lr_schedule=constant")
 
 
 @pytest.fixture(scope="module")

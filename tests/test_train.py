@@ -74,7 +74,8 @@ def test_resume_three_plus_three_equals_six_straight_steps(tmp_path):
                   checkpoint_every_steps=4, **overrides), str(resumed))
   assert summary["steps_per_call"] == 4
   summary = train.train_and_evaluate(
-      load_config("digits", "smoke", num_train_steps=6, **overrides), str(resumed))
+      load_config("digits", "smoke", num_train_steps=6, steps_per_call=2, **overrides),
+      str(resumed))
   assert summary["final_step"] == 6 and summary["steps_per_call"] == 2
   a, b = train_losses(straight), train_losses(resumed)
   assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
@@ -109,7 +110,7 @@ def test_idle_fraction_counted_on_the_plan_is_the_closed_form(num_stages, num_st
 def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
   """With K = 16 steps per call: the stop comes at the end of a call; every 3rd step logs."""
   c = load_config("digits", "smoke", num_train_steps=100_000, eval_every_steps=100_000,
-                  checkpoint_every_steps=100_000, log_every_steps=3)
+                  checkpoint_every_steps=100_000, log_every_steps=3, steps_per_call=16)
   metrics_file = tmp_path / "metrics.jsonl"
 
   def preempt():  # Like a TPU VM's maintenance event, once training is under way.
@@ -209,8 +210,8 @@ EXECUTED = dict(num_workers=4, num_stages=4)
 
 @pytest.mark.parametrize("parallelism", ["model", "zero"])
 def test_executed_schedules_log_the_engines_losses(parallelism, engine_run, tmp_path):
-  """K = 2 steps per call (the smoke intervals allow it), with the idle fraction of the plan."""
-  c = load_config("digits", f"smoke,parallelism={parallelism}", **EXECUTED)
+  """K = 2 steps per call against the engine's one, with the idle fraction of the plan."""
+  c = load_config("digits", f"smoke,parallelism={parallelism}", steps_per_call=2, **EXECUTED)
   summary = train.train_and_evaluate(c, str(tmp_path))
   losses = train_losses(tmp_path)
   assert sorted(losses) == sorted(engine_run) == [1, 2, 3, 4]
