@@ -5,6 +5,9 @@ CDP-v2); ``model=resnet18`` runs a ResNet-18 with the CIFAR stem on the same
 8x8x1 images, cut into 4 stages by FLOPs, with BatchNorm. ``parallelism=model``
 and ``parallelism=zero`` run N = J = 4 workers (the executed timetables need
 one micro-batch per stage); under them rule ``dp`` runs GPipe and ZeRO-3.
+Every run takes ``steps_per_call`` = 16 steps per compiled call, lowered to
+10 by the eval and checkpoint intervals (100, 200); ``smoke`` takes 1, and
+``--config.steps_per_call=1`` fills and drains the pipeline every step.
 
   cdpjax-train --config configs/digits.py --workdir runs/digits
   cdpjax-train --config configs/digits.py:rule=dp,smoke --workdir runs/digits-smoke

@@ -64,7 +64,11 @@ def last_line(stderr):
   return stderr.strip().splitlines()[-1]
 
 
-LONG = ("num_train_steps=100000", "eval_every_steps=100000", "checkpoint_every_steps=3")
+# K = 4 steps per compiled call (the checkpoint interval allows it); the resume
+# below runs K = 1 (checkpoints every step) and must replay the same losses: a
+# constant learning rate, which does not depend on num_train_steps.
+LONG = ("num_train_steps=100000", "eval_every_steps=100000", "checkpoint_every_steps=4",
+        "steps_per_call=16", "lr_schedule=constant")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +103,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_resumable_status(interrupt
   summary = interrupted["summary"]
   assert summary["preempted"] and summary["stopped_by"] == "SIGINT"
   final = summary["final_step"]
-  assert final >= 4
+  assert final >= 8 and final % 4 == 0 and summary["steps_per_call"] == 4  # At a call's end.
   assert checkpoint_steps(interrupted["workdir"])[-1] == final
   assert "final_accuracy" not in summary  # No evaluation of the final parameters was made.
 
@@ -129,7 +133,8 @@ def resumed(interrupted, changed_seed):
     if data_file.is_file() and "METADATA" not in data_file.name:
       data_file.write_bytes(b"\0garbage")
   end = interrupted["summary"]["final_step"] + 6
-  overrides = (f"num_train_steps={end}", "eval_every_steps=100000", "checkpoint_every_steps=1")
+  overrides = (f"num_train_steps={end}", "eval_every_steps=100000", "checkpoint_every_steps=1",
+               "lr_schedule=constant")
   victim = subprocess.Popen(launcher(workdir, *overrides), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
   checkpoints = workdir / "checkpoints"

@@ -14,6 +14,7 @@ import tensorflow_datasets as tfds
 
 from cdpjax import config as config_lib
 from cdpjax import distributed
+from cdpjax import executor
 from cdpjax import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -57,25 +58,59 @@ def test_digits_quick_start_learns(tmp_path):
 
 
 def test_resume_three_plus_three_equals_six_straight_steps(tmp_path):
-  """cdp-v2 reads stale versions and momentum: all must come back exactly."""
-  overrides = dict(lr_schedule="constant", checkpoint_every_steps=3)
+  """cdp-v2 reads stale versions and momentum: all must come back exactly, for any K.
+
+  The straight run takes one step per call; the resumed run 3 steps in one call
+  (K = 4, cut by the end), then from step 3 (not a multiple of its K = 2) one
+  step, then 2 in one call.
+  """
+  overrides = dict(lr_schedule="constant")
   straight = tmp_path / "straight"
-  train.train_and_evaluate(load_config("digits", "smoke", num_train_steps=6, **overrides),
-                           str(straight))
+  train.train_and_evaluate(load_config("digits", "smoke", num_train_steps=6, steps_per_call=1,
+                                       checkpoint_every_steps=3, **overrides), str(straight))
   resumed = tmp_path / "resumed"
-  train.train_and_evaluate(load_config("digits", "smoke", num_train_steps=3, **overrides),
-                           str(resumed))
   summary = train.train_and_evaluate(
-      load_config("digits", "smoke", num_train_steps=6, **overrides), str(resumed))
-  assert summary["final_step"] == 6
+      load_config("digits", "smoke", num_train_steps=3, steps_per_call=4, eval_every_steps=4,
+                  checkpoint_every_steps=4, **overrides), str(resumed))
+  assert summary["steps_per_call"] == 4
+  summary = train.train_and_evaluate(
+      load_config("digits", "smoke", num_train_steps=6, steps_per_call=2, **overrides),
+      str(resumed))
+  assert summary["final_step"] == 6 and summary["steps_per_call"] == 2
   a, b = train_losses(straight), train_losses(resumed)
   assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
   assert a == b  # Bit-for-bit: same data position, parameters, stale version, momentum.
 
 
+@pytest.mark.parametrize("requested, eval_every, checkpoint_every, expected", [
+    (16, 100, 200, 10), (16, 64, 32, 16), (16, 6, 4, 2), (3, 12, 12, 3), (16, 7, 100, 1)])
+def test_steps_per_call_divides_the_eval_and_checkpoint_intervals(requested, eval_every,
+                                                                  checkpoint_every, expected):
+  c = load_config("digits", steps_per_call=requested, eval_every_steps=eval_every,
+                  checkpoint_every_steps=checkpoint_every)
+  assert train.steps_per_call(c) == expected
+
+
+@pytest.mark.parametrize("num_stages", [2, 4, 8])
+@pytest.mark.parametrize("num_steps", [1, 2, 16])
+def test_idle_fraction_counted_on_the_plan_is_the_closed_form(num_stages, num_steps):
+  """Cyclic: J K busy slots of J (K + 1) - 1 per device; GPipe flushes: J of 2J - 1."""
+  j, k = num_stages, num_steps
+  assert executor.resolve("cdp-v2", "model", j, j).idle_fraction(k) == pytest.approx(
+      1 - j * k / (j * (k + 1) - 1), rel=1e-12)
+  assert executor.resolve("cdp-v2", "zero", j, j).idle_fraction(k) == pytest.approx(
+      1 - j * k / (j * (k + 1) - 1), rel=1e-12)
+  assert executor.resolve("dp", "model", j, j).idle_fraction(k) == pytest.approx(
+      (j - 1) / (2 * j - 1), rel=1e-12)
+  for parallelism in ("data", "zero"):
+    assert executor.resolve("dp", parallelism, j, j).idle_fraction(k) == 0.0
+  assert executor.resolve("cdp-v2", "data", j, j).idle_fraction(k) == 0.0
+
+
 def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+  """With K = 16 steps per call: the stop comes at the end of a call; every 3rd step logs."""
   c = load_config("digits", "smoke", num_train_steps=100_000, eval_every_steps=100_000,
-                  checkpoint_every_steps=100_000)
+                  checkpoint_every_steps=100_000, log_every_steps=3, steps_per_call=16)
   metrics_file = tmp_path / "metrics.jsonl"
 
   def preempt():  # Like a TPU VM's maintenance event, once training is under way.
@@ -88,10 +123,14 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
 
   threading.Thread(target=preempt, daemon=True).start()
   summary = train.train_and_evaluate(c, str(tmp_path))
-  assert summary["preempted"]
-  assert 3 <= summary["final_step"] < 100_000
+  assert summary["preempted"] and summary["steps_per_call"] == 16
+  assert 16 <= summary["final_step"] < 100_000 and summary["final_step"] % 16 == 0
   saved = sorted(int(p) for p in os.listdir(tmp_path / "checkpoints") if p.isdigit())
   assert saved == [summary["final_step"]]
+  rows = read_metrics(tmp_path)
+  assert [m["step"] for m in rows] == list(range(3, summary["final_step"] + 1, 3))
+  # A logged step has its norms (the engine skips them on the others).
+  assert all(np.isfinite(m["train/grad_norm"]) and np.isfinite(m["train/param_norm"]) for m in rows)
 
 
 class TestBadConfig:
@@ -171,9 +210,14 @@ EXECUTED = dict(num_workers=4, num_stages=4)
 
 @pytest.mark.parametrize("parallelism", ["model", "zero"])
 def test_executed_schedules_log_the_engines_losses(parallelism, engine_run, tmp_path):
-  c = load_config("digits", f"smoke,parallelism={parallelism}", **EXECUTED)
-  train.train_and_evaluate(c, str(tmp_path))
+  """K = 2 steps per call against the engine's one, with the idle fraction of the plan."""
+  c = load_config("digits", f"smoke,parallelism={parallelism}", steps_per_call=2, **EXECUTED)
+  summary = train.train_and_evaluate(c, str(tmp_path))
   losses = train_losses(tmp_path)
   assert sorted(losses) == sorted(engine_run) == [1, 2, 3, 4]
   np.testing.assert_allclose([losses[k] for k in sorted(losses)],
                              [engine_run[k] for k in sorted(engine_run)], rtol=1e-5)
+  j, k = EXECUTED["num_stages"], summary["steps_per_call"]
+  assert k == 2
+  assert summary["idle_fraction"] == pytest.approx(1 - j * k / (j * (k + 1) - 1))  # 0.27
+  assert summary["idle_fraction"] < (j - 1) / (2 * j - 1)  # GPipe's, 0.43.

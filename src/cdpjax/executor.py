@@ -7,6 +7,10 @@ An ``Executor`` is a NamedTuple of pure functions, in optax's style:
   ``grad_norm``, ``grad_norm_per_stage`` ``[J]`` and ``param_norm`` (of
   ``theta_{t+1}``); with ``norms=False`` an executor may skip the norms (NaN),
   as the engine does: a caller asks for them on the steps it logs;
+- built with ``scan_steps=K`` (`build`), one ``step`` call runs ``K`` steps:
+  batch leaves are ``[K, N*b, ...]``, every metric gains a leading ``[K]``
+  axis and ``norms`` is a bool or ``K`` bools, one per step (a logged step
+  gets real norms, the others may skip them);
 - ``variables(state)``: ``{"params": theta_t, **model_state}``, plain flax
   variables readable on every process (evaluation, export);
 - ``lower(state, batch)``: the lowered step (StableHLO, memory, cost).
@@ -15,7 +19,8 @@ An ``Executor`` is a NamedTuple of pure functions, in optax's style:
 matrix, the number of stale versions the state keeps and the executed
 timetable. Every state keeps ``step``, ``params``, ``stale_params`` and
 ``opt_state``; a state whose stale versions do not fit the plan is refused by
-`check_versions`.
+`check_versions`. ``plan.idle_fraction(K)`` is the share of device-slots
+the executed timetable leaves idle in a ``K``-step call.
 """
 from __future__ import annotations
 
@@ -73,6 +78,20 @@ class RulePlan(NamedTuple):
       n, j = self.delays.shape
     return f"rule {name} (N={n}, J={j}) runs as {DESCRIPTIONS[self.parallelism, self.timetable]}"
 
+  def idle_fraction(self, num_steps: int) -> float:
+    """Idle device-slots / all device-slots of a call of ``num_steps`` steps, from the plan.
+
+    0 in lockstep (the engine, ZeRO-3: every device works in every slot). CDP-ZeRO's
+    worker ``i`` runs micro-batch ``i``'s ops at the slots where the cyclic
+    pipeline runs them (DESIGN.md section 1), steps following without a flush,
+    so its count is the pipeline's with devices = workers.
+    """
+    if self.timetable in ("lockstep", "zero3"):
+      return 0.0
+    from cdpjax.executed import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    num_micro, num_stages = self.delays.shape
+    return plan_lib.idle_fraction(self.timetable, num_stages, num_steps, num_micro)
+
 
 def resolve(rule, parallelism: str, num_workers: int, num_stages: int) -> RulePlan:
   """Resolves ``rule`` for ``parallelism``: delays, stale versions and timetable.
@@ -127,7 +146,7 @@ class Executor(NamedTuple):
 
 def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule, mesh,
                     loss_fn: Callable, with_model_state: bool, backend: str = "shard_map",
-                    **_) -> Executor:
+                    scan_steps: int | None = None, **_) -> Executor:
   """The update-rule engine (``cdpjax.engine``) behind the executor contract.
 
   ``loss_fn(outputs, labels)`` is applied to ``model.apply(variables, image,
@@ -147,7 +166,8 @@ def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule,
   num_workers = int(mesh.shape["data"]) if "data" in mesh.axis_names else 0
   plan = resolve(rule, "data", num_workers, engine.num_stages_of(stage_ids))
   train_step = engine.make_train_step(worker_loss, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
-                                      backend=backend, with_model_state=with_model_state)
+                                      backend=backend, with_model_state=with_model_state,
+                                      scan_steps=scan_steps)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   def init(params, model_state=None):
@@ -175,20 +195,21 @@ def _staged(model, params, model_state, stage_ids, sample_input, loss_fn, pad_to
 
 
 def pipeline_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
-                      loss_fn: Callable, **_) -> Executor:
+                      loss_fn: Callable, scan_steps: int | None = None, **_) -> Executor:
   """The executed pipeline (``cdpjax.executed.pipeline``) of ``model`` cut at ``stage_ids``."""
   from cdpjax.executed import pipeline  # pylint: disable=g-import-not-at-top
   staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn)
-  return pipeline.make_train_step(staged, tx, rule=rule, mesh=mesh)
+  return pipeline.make_train_step(staged, tx, rule=rule, mesh=mesh, scan_steps=scan_steps)
 
 
 def zero_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
-                  loss_fn: Callable, **_) -> Executor:
+                  loss_fn: Callable, scan_steps: int | None = None, **_) -> Executor:
   """Executed CDP-ZeRO or ZeRO-3 (``cdpjax.executed.zero``) of ``model`` cut at ``stage_ids``."""
   from cdpjax.executed import zero  # pylint: disable=g-import-not-at-top
   staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn,
                    pad_to=int(mesh.shape["data"]))
-  return zero.make_train_step(staged, tx, rule=rule, mesh=mesh)
+  return zero.make_train_step(staged, tx, rule=rule, mesh=mesh,
+                              **({} if scan_steps is None else {"scan_steps": scan_steps}))
 
 
 EXECUTORS = {"data": engine_executor, "model": pipeline_executor, "zero": zero_executor}
@@ -197,7 +218,7 @@ EXECUTORS = {"data": engine_executor, "model": pipeline_executor, "zero": zero_e
 
 def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, model_state,
           stage_ids, sample_input, rule, mesh, loss_fn: Callable,
-          backend: str = "shard_map") -> Executor:
+          backend: str = "shard_map", scan_steps: int | None = None) -> Executor:
   """The executor of ``parallelism`` for a flax ``model`` cut into stages by ``stage_ids``.
 
   Args:
@@ -213,10 +234,12 @@ def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, 
     mesh: the mesh of ``parallelism`` (axis ``data``, or ``stage`` for ``model``).
     loss_fn: ``loss_fn(outputs, labels)`` of the model's outputs.
     backend: the engine's backend (``shard_map`` or ``pmap``).
+    scan_steps: ``K``: one ``step`` call runs ``K`` steps (see the module
+      docstring); None: one step, batch and metrics without the ``[K]`` axis.
   """
   if parallelism not in EXECUTORS:
     raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
   return EXECUTORS[parallelism](
       model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
       sample_input=sample_input, rule=rule, mesh=mesh, loss_fn=loss_fn, backend=backend,
-      with_model_state=model_state is not None)
+      with_model_state=model_state is not None, scan_steps=scan_steps)

@@ -3,8 +3,9 @@
 ``train_and_evaluate(config, workdir)`` builds the model, data, mesh and the
 train step of ``config.parallelism`` (``data``: the update-rule engine;
 ``model``: the executed CDP+MP pipeline; ``zero``: the executed CDP+ZeRO
-ring), resumes from the newest checkpoint in ``workdir`` and trains, writing
-``config.json``, ``metrics.jsonl``, TensorBoard events and ``summary.json``.
+ring), resumes from the newest checkpoint in ``workdir`` and trains, ``K``
+steps per compiled call (`steps_per_call`), writing ``config.json``,
+``metrics.jsonl``, TensorBoard events and ``summary.json``.
 
 Faults and misuse: the workdir is locked; a resume refuses a config change
 that would change the trajectory (``RESUMABLE_KEYS`` may change) and falls
@@ -45,8 +46,10 @@ from cdpjax import executor as executor_lib
 class Runner(NamedTuple):
   """An executor bound to the run's initial variables (what the loop needs)."""
   init: Callable[[], Any]                    # -> state at step 0.
-  step: Callable[..., tuple]                 # (state, global batch, norms=) -> (state, metrics).
+  step: Callable[..., tuple]                 # (state, k batches, k norms flags) -> (state, [k] metrics)
   variables: Callable[[Any], dict]           # state -> flax variables of theta_t.
+  steps_per_call: int                        # K: the steps of one compiled call.
+  idle_fraction: float                       # Idle device-slots of the executed K-step call.
 
 
 def learning_rate_schedule(c: ml_collections.ConfigDict, steps_per_epoch: int,
@@ -110,23 +113,56 @@ def model_stage_ids(c, model, params, sample):
                                 train=False)
 
 
+def steps_per_call(c) -> int:
+  """``K``: the largest ``K <= steps_per_call`` dividing the eval and checkpoint intervals.
+
+  Those steps then end a call, so one compiled ``K`` serves the whole run; a
+  logged step needs no call boundary (its metrics come with its call).
+  """
+  every = math.gcd(c.eval_every_steps, c.checkpoint_every_steps)
+  return max(k for k in range(1, min(c.steps_per_call, every) + 1) if every % k == 0)
+
+
 def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
   """The executor of ``c.parallelism`` (one table, `executor.EXECUTORS`) for this run.
 
-  Prints (process 0) what runs the rule: under ``model`` and ``zero`` ``dp`` runs
-  GPipe and ZeRO-3.
+  One call runs ``K = steps_per_call(c)`` steps; a call of another length (the
+  run's tail, or the first call of a resume from another ``K``) compiles its
+  own, once. Prints (process 0) what runs the rule: under ``model`` and
+  ``zero`` ``dp`` runs GPipe and ZeRO-3.
   """
   params = variables["params"]
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
-  executor = executor_lib.build(
-      c.parallelism, model, tx, params=params, model_state=model_state,
-      stage_ids=model_stage_ids(c, model, params, sample), sample_input=sample,
-      rule=config_lib.delay_rule(c),  # A DelayRule gives the engine each step's delays as data.
-      mesh=mesh, loss_fn=tasks.cross_entropy, backend=c.backend)
+  stage_ids = model_stage_ids(c, model, params, sample)
+
+  def build(k):  # K = 1 is the step without scan (the engine then rotates its versions).
+    return executor_lib.build(
+        c.parallelism, model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
+        sample_input=sample,
+        rule=config_lib.delay_rule(c),  # A DelayRule gives the engine each step's delays as data.
+        mesh=mesh, loss_fn=tasks.cross_entropy, backend=c.backend,
+        scan_steps=k if k > 1 else None)
+
+  num = steps_per_call(c)
+  executors = {num: build(num)}
+  plan = executors[num].plan
+  idle = plan.idle_fraction(num)
   if jax.process_index() == 0:
-    print(f"cdpjax: {executor.plan.describe()}", flush=True)
-  return Runner(init=lambda: executor.init(params, model_state), step=executor.step,
-                variables=executor.variables)
+    print(f"cdpjax: {plan.describe()}; steps per compiled call: {num}, idle fraction {idle:.3f} "
+          f"({plan.idle_fraction(1):.3f} at one step per call)", flush=True)
+
+  def step(state, batches, norms):
+    k = len(batches)
+    if k not in executors:
+      executors[k] = build(k)
+    if k == 1:
+      state, metrics = executors[1].step(state, to_global(batches[0], mesh), norms=norms[0])
+      return state, jax.tree.map(lambda m: m[None], metrics)
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
+    return executors[k].step(state, to_global(stacked, mesh, stacked=True), norms=np.array(norms))
+
+  return Runner(init=lambda: executors[num].init(params, model_state), step=step,
+                variables=executors[num].variables, steps_per_call=num, idle_fraction=idle)
 
 
 def make_mesh(c: ml_collections.ConfigDict):
@@ -216,7 +252,7 @@ class NonFiniteError(TrainError, FloatingPointError):
 RESUMABLE_KEYS = ("learning_rate", "lr_schedule", "lr_decay_factor", "lr_decay_every_epochs",
                   "warmup_epochs", "num_train_steps", "num_epochs", "log_every_steps",
                   "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints",
-                  "eval_batch_size", "data_dir", "backend")
+                  "eval_batch_size", "data_dir", "backend", "steps_per_call")
 
 
 def _config_dict(c) -> dict:
@@ -455,10 +491,14 @@ class _Interrupts:
     for s, previous in self._previous.items():
       signal.signal(s, previous)
 
-  def stop_at(self, step: int) -> bool:
-    """Whether to checkpoint and stop after ``step``; every process calls it once per step."""
+  def stop_at(self, call: int) -> bool:
+    """Whether to checkpoint and stop now; every process calls it after each call, numbered.
+
+    JAX's sync point is the largest number the processes reported, plus one:
+    so the numbers are consecutive (calls, not steps, which advance by ``K``).
+    """
     if jax.process_count() > 1:
-      if multihost_utils.reached_preemption_sync_point(step):
+      if multihost_utils.reached_preemption_sync_point(call):
         self.requested = "SIGTERM"
       return self.requested is not None
     return self.requested is not None
@@ -547,7 +587,7 @@ class _Run(NamedTuple):
   dataset: Any
   mesh: Any
   runner: Runner
-  evaluate: Callable
+  evaluate: Callable                         # variables -> eval metrics (one pass).
   lr: optax.Schedule
   num_steps: int
   global_batch: int
@@ -572,8 +612,10 @@ def _build(c) -> _Run:
   variables = dict(jax.jit(lambda k: model.init(k, sample, train=False))(init_key))
   mesh = make_mesh(c)
   runner = build_runner(c, model, tx, variables, sample, mesh)
-  return _Run(dataset, mesh, runner, make_eval_fn(task, mesh), lr, num_steps, global_batch,
-              model, sample, task)
+  evaluate = make_eval_fn(task, mesh)
+  return _Run(dataset, mesh, runner, lambda v: evaluate(v, dataset.eval_batches(
+      c.eval_batch_size, process_index=jax.process_index(), process_count=jax.process_count())),
+              lr, num_steps, global_batch, model, sample, task)
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -650,79 +692,96 @@ def _train_locked(c, workdir: str) -> dict:
   checkpointer.close()
   if c.final_mean_view and not summary["preempted"]:
     summary.update(export_final_models(
-        c, state, run.runner.variables, run.model, run.sample, workdir,
-        lambda v: run.evaluate(v, run.dataset.eval_batches(
-            c.eval_batch_size, process_index=jax.process_index(),
-            process_count=jax.process_count()))))
+        c, state, run.runner.variables, run.model, run.sample, workdir, run.evaluate))
   if jax.process_index() == 0:
     with open(summary_path, "w") as f:
       json.dump(summary, f, indent=2)
   return summary
 
 
+def _logged(c, step: int, num_steps: int) -> bool:
+  """Whether ``step`` (counting from 1) is written to the metrics."""
+  return step % c.log_every_steps == 0 or step == num_steps
+
+
+class _StepLog:
+  """Checks a finished call's losses and writes its logged steps."""
+
+  def __init__(self, c, run: _Run, log: MetricsLog, start: int):
+    self.c, self.run, self.log = c, run, log
+    self.tokens_per_step = run.global_batch * run.task.tokens_per_example
+    self.last = (time.time(), start)  # For tokens per second between two logged calls.
+
+  def __call__(self, first: int, metrics: dict) -> None:
+    """``metrics`` of steps ``first, first + 1, ...`` (leading ``[k]`` axis)."""
+    metrics = jax.device_get(metrics)
+    losses = np.asarray(metrics["loss"])
+    bad = np.flatnonzero(~np.isfinite(losses))
+    if bad.size:
+      raise NonFiniteError(
+          f"Non-finite training loss {losses[bad[0]]} at step {first + bad[0]}. Lower "
+          "--config.learning_rate, or resume from the last checkpoint with a smaller one.")
+    steps = [first + i for i in range(len(losses))
+             if _logged(self.c, first + i, self.run.num_steps)]
+    extra = {}
+    if steps and self.tokens_per_step:
+      now, end = time.time(), first + len(losses) - 1
+      extra["train/tokens_per_second"] = ((end - self.last[1]) * self.tokens_per_step
+                                          / (now - self.last[0]))
+      self.last = now, end
+    for step in steps:
+      row = jax.tree.map(lambda v, i=step - first: v[i], metrics)
+      self.log.write(step, {**_scalars(row), "train/learning_rate": float(self.run.lr(step - 1)),
+                            **extra})
+
+
 def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
           log: MetricsLog) -> tuple[dict, Any]:
-  """Steps ``start`` to ``num_steps``; returns the summary and the last state."""
-  dataset, mesh, runner, num_steps = run.dataset, run.mesh, run.runner, run.num_steps
-  task = run.task
-  tokens_per_step = run.global_batch * task.tokens_per_example
-  last_log = [time.time(), start]  # For tokens per second between two logs.
+  """Steps ``start`` to ``num_steps``, ``K`` per call; returns the summary and the last state.
+
+  A call ends at the next multiple of ``K`` (so at every eval and checkpoint
+  step, which ``K`` divides) or at ``num_steps``.
+  """
+  dataset, runner, num_steps, task = run.dataset, run.runner, run.num_steps, run.task
+  num = runner.steps_per_call
+  check_and_log = _StepLog(c, run, log, start)
   batches = dataset.train_batches(run.global_batch, seed=c.seed, start_step=start,
                                   process_index=jax.process_index(),
                                   process_count=jax.process_count())
 
-  def eval_now(state):
-    return run.evaluate(runner.variables(state), dataset.eval_batches(
-        c.eval_batch_size, process_index=jax.process_index(), process_count=jax.process_count()))
-
-  def check_and_log(step, metrics):
-    """Checks the finished step's loss; logs it if due (``step`` counts from 1)."""
-    metrics = jax.device_get(metrics)
-    loss = float(np.mean(metrics["loss"]))
-    if not math.isfinite(loss):
-      raise NonFiniteError(
-          f"Non-finite training loss {loss} at step {step}. Lower --config.learning_rate, or "
-          "resume from the last checkpoint with a smaller one.")
-    if step % c.log_every_steps == 0 or step == num_steps:
-      extra = {}
-      if tokens_per_step:
-        now = time.time()
-        extra["train/tokens_per_second"] = (step - last_log[1]) * tokens_per_step / (now - last_log[0])
-        last_log[:] = now, step
-      log.write(step, {**_scalars(metrics), "train/learning_rate": float(run.lr(step - 1)), **extra})
-
   t0 = time.time()
-  pending = None  # The previous step's metrics, fetched after the next step is dispatched.
-  step = start
+  pending = None  # The previous call's metrics, fetched after the next call is dispatched.
+  step, calls = start, 0
   eval_metrics, eval_step = {}, None
   progress = tqdm.tqdm(total=num_steps, initial=start, disable=jax.process_index() != 0,
                        desc="train", unit="step")
   try:
     with _Interrupts() as interrupts:
       while step < num_steps:
+        k = min(num - step % num, num_steps - step)
         # The health norms are passes over the parameters: only on logged steps.
-        logged = (step + 1) % c.log_every_steps == 0 or step + 1 == num_steps
-        state, metrics = runner.step(state, to_global(task.pairs(next(batches)), mesh),
-                                     norms=logged)
-        step += 1
+        norms = [_logged(c, s, num_steps) for s in range(step + 1, step + k + 1)]
+        state, metrics = runner.step(state, [task.pairs(next(batches)) for _ in range(k)], norms)
         if pending is not None:
           check_and_log(*pending)
-        pending = (step, metrics)
-        progress.update(1)
-        stop = interrupts.stop_at(step)
+        pending = (step + 1, metrics)
+        step += k
+        calls += 1
+        progress.update(k)
+        stop = interrupts.stop_at(calls)
         save = step % c.checkpoint_every_steps == 0 or step == num_steps or stop
         evaluate = step % c.eval_every_steps == 0 or step == num_steps
         if save or evaluate:
           check_and_log(*pending)
           pending = None
         if evaluate:
-          eval_metrics, eval_step = eval_now(state), step
+          eval_metrics, eval_step = run.evaluate(runner.variables(state)), step
           log.write(step, eval_metrics)
           progress.set_postfix({k.split("/")[1]: f"{v:.3f}" for k, v in eval_metrics.items()})
         if save:
           # A checkpoint is a promise that training can go on from it: only
           # finite parameters are saved (checked only on the steps that save).
-          if not bool(_all_finite(metrics["loss"], runner.variables(state))):
+          if not bool(_all_finite(metrics["loss"][-1], runner.variables(state))):
             raise NonFiniteError(
                 f"The parameters after step {step} are not finite (the loss of that step was "
                 "finite): not saving them. Lower --config.learning_rate, or resume from the "
@@ -736,11 +795,13 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
     progress.close()
   wall = time.time() - t0
   if step == num_steps and eval_step != step:  # Finished earlier, but no summary was written.
-    eval_metrics, eval_step = eval_now(state), step
+    eval_metrics, eval_step = run.evaluate(runner.variables(state)), step
+  tokens_per_step = check_and_log.tokens_per_step
   summary = {"final_step": step, "num_train_steps": num_steps,
              "preempted": interrupts.requested is not None, "stopped_by": interrupts.requested,
              "wall_time_s": wall,
              "steps_per_second": (step - start) / wall if step > start else None,
+             "steps_per_call": num, "idle_fraction": runner.idle_fraction,
              "eval_step": eval_step,
              **({"tokens_per_second": (step - start) * tokens_per_step / wall}
                 if tokens_per_step and step > start else {}),
@@ -773,9 +834,12 @@ def export_final_models(c, state, variables_of, model, sample, workdir, evaluate
   return {k.replace("eval/", "final_mean_view_"): v for k, v in evaluate(mean_view).items()}
 
 
-def to_global(local_batch: dict, mesh) -> dict:
-  """The process-local rows as one global array sharded over the mesh's first axis."""
-  sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
+def to_global(local_batch: dict, mesh, stacked: bool = False) -> dict:
+  """The process-local rows as one global array sharded over the mesh's first axis.
+
+  ``stacked``: leaves are ``[K, rows, ...]``, the rows of ``K`` steps.
+  """
+  sharding = NamedSharding(mesh, P(*([None] if stacked else []), mesh.axis_names[0]))
   if jax.process_count() == 1:
     return jax.device_put(local_batch, sharding)
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)

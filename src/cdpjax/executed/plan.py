@@ -6,7 +6,8 @@ and the tests read one plan.
 
 - Pipeline (mesh axis ``stage``): ``cyclic_event`` and ``gpipe_event`` give a
   device's ``SlotEvent`` at a slot; ``executed_events`` lists a whole call as
-  ``schedule.Event``s, comparable with ``schedule.timeline``.
+  ``schedule.Event``s, comparable with ``schedule.timeline``; ``idle_fraction``
+  counts a call's idle device-slots.
 - ZeRO (mesh axis ``data``): ``cyclic_transfers`` lists the stage buffers sent
   point to point in one cyclic step; ``slot_traffic`` counts their bytes.
 """
@@ -125,6 +126,29 @@ def executed_events(timetable: str, rule, num_stages: int, num_steps: int,
           int(slots[s, j]), int(worker[s, j]), int(step[s, j]), int(j),
           "fwd" if kind[s, j] == FWD else "bwd", max(int(version[s, j]), 0)))
   return sorted(events)
+
+
+def idle_fraction(timetable: str, num_stages: int, num_steps: int,
+                  num_micro_batches: int | None = None) -> float:
+  """Idle device-slots / all device-slots of a ``K``-step pipeline call, counted on the plan.
+
+  ``cyclic`` fills once and drains once per call; ``gpipe`` and ``dp+mp``
+  (one micro-batch per replica) flush every step.
+  """
+  num_micro = num_stages if num_micro_batches is None else num_micro_batches
+  delays = np.zeros((num_micro, num_stages), np.int32)  # Versions do not change the slots.
+  stages = np.arange(num_stages)[None, :]
+  if timetable == "cyclic":
+    kind = cyclic_event(np.arange(cyclic_slots(num_stages, num_steps))[:, None], stages, delays,
+                        num_steps).kind
+  elif timetable in ("gpipe", "dp+mp"):
+    per_replica = 1 if timetable == "dp+mp" else num_micro
+    slots = np.arange(num_steps * 2 * (per_replica + num_stages - 1))[:, None]
+    kind = gpipe_event(slots, stages, delays[:per_replica], num_micro=per_replica,
+                       num_steps=num_steps).kind
+  else:
+    raise ValueError(f"Unknown pipeline timetable {timetable!r}: use cyclic, gpipe or dp+mp.")
+  return float(np.mean(kind == IDLE))
 
 
 def swap_pairs(num_stages: int, parity: int) -> list[tuple[int, int]]:
