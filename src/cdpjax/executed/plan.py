@@ -218,6 +218,19 @@ class ZeroPlan(NamedTuple):
         out[t.slot, t.src] = t.delay
     return out
 
+  def events(self) -> list[schedule_lib.Event]:
+    """The call's events as ``schedule.Event``s, versions as global step indices (``>= 0``)."""
+    num_stages = self.kind.shape[1]
+    updates = np.cumsum(self.update, axis=0)  # [S, N]: an owner's updates up to each slot.
+    events = []
+    for s, i in zip(*np.nonzero(self.kind != IDLE)):
+      j = int(self.stage[s, i])
+      version = int(updates[s, num_stages - 1 - j]) - int(self.version[s, i])
+      events.append(schedule_lib.Event(int(s), int(i), int(self.step[s, i]), j,
+                                       "fwd" if self.kind[s, i] == FWD else "bwd",
+                                       max(version, 0)))
+    return sorted(events)
+
   def routes(self, kind: str, route: str) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
     """Per slot, which of the distinct pair lists the messages of ``(kind, route)`` use.
 
