@@ -302,8 +302,9 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
         lambda vs, h, v, m: jnp.concatenate([own(vs, h, v), m]),
         c.versions_VxP, c.head, ev["send_version"], c.model_state_M)
     chain = ring.route(("grad", "ring"), slot, lambda p: p[slot % 2], c.partial_2xQ)
-    buf = jnp.where(ev["source"] == plan_lib.LOCAL, own(c.versions_VxP, c.head, ev["version"]),
-                    jnp.where(ev["source"] == plan_lib.RING, recv, from_owner[:size_p]))
+    buf = jax.lax.switch(ev["source"], [  # Indexed by LOCAL, RING, OWNER; one copy.
+        lambda: ring.vary(own(c.versions_VxP, c.head, ev["version"])), lambda: recv,
+        lambda: from_owner[:size_p]])
     first_state = jnp.where(ev["source"] == plan_lib.LOCAL, c.model_state_M, from_owner[size_p:])
     state = jnp.concatenate([first_state, jnp.zeros((size_m,), jnp.float32)])
     if size_m:
