@@ -181,7 +181,6 @@ def compile_sweep(num_stages_list, args) -> list[dict]:
                    "compile_s": round(time.perf_counter() - start, 2),
                    "stablehlo_mb": round(len(lowered.as_text()) / 1e6, 3),
                    "hlo_mb": round(len(hlo) / 1e6, 3)})
-      print("compile", rows[-1], flush=True)
   return rows
 
 
@@ -195,7 +194,7 @@ def _compile_sweep_in_child(num_stages_list, args) -> list[dict]:
   out = pathlib.Path(args.results_dir) / "compile_child"
   cmd = [sys.executable, os.path.abspath(__file__), "--compile_only", "--results_dir", str(out),
          "--compile_sweep", ",".join(map(str, num_stages_list))]
-  subprocess.run(cmd, env=env, check=True)
+  subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
   rows = json.loads((out / "bench_zero_compile.json").read_text())["compile_sweep"]
   shutil.rmtree(out)
   return rows
