@@ -216,6 +216,12 @@ class TestBadInput:
     batch = {"image": np.zeros((3, 8, 8, 1), np.float32), "label": np.zeros(3, np.int32)}
     with pytest.raises(ValueError, match="num_workers \\* b rows"):
       ex.step(state, batch)
+    scanned = executor_of("residual_mlp", "cdp-v2", 2, scan_steps=2)
+    with pytest.raises(ValueError, match=r"scan_steps=2 batch leaves need shape \[2, "):
+      scanned.step(state, ref.step_batch(ref.batches("residual_mlp", 2, num_steps=1), 0))
+    with pytest.raises(ValueError, match="scan_steps must be a positive int"):
+      zero.make_train_step(ref.staged_of("residual_mlp", 2, pad_to=2), ref.make_tx("residual_mlp"),
+                           rule="cdp-v2", mesh=mesh_of(2), scan_steps=0)
     dp = executor_of("residual_mlp", "dp", 2)
     good = ref.step_batch(ref.batches("residual_mlp", 2, num_steps=1), 0)
     with pytest.raises(ValueError, match="keeps 1 stale parameter versions.*'dp' needs 0"):
