@@ -7,15 +7,26 @@ For N = J in {2, 4, 8} workers on emulated CPU devices, the digits ResidualMLP
 - ``zero3``: ``executed.zero.make_train_step(timetable="zero3")``, rule dp;
 - ``engine``: the replicated engine (``executor.build("data", ...)``), rule cdp-v2.
 
-Memory and communication are read from the compiled programs (per device);
-speed is a ratio to the engine measured in this run, steps interleaved, warm-up
-excluded, median of ``--steps`` steps. Run:
+``cyclic`` and ``zero3`` run ``--scan_steps`` K steps per compiled call (the
+ring fills and drains once per call), the engine one. Memory and collectives
+are read from the compiled programs (per device); the cyclic step's bytes come
+from its slot plan (`plan.zero_plan`), since its messages sit in a loop body.
+Speed is a ratio measured in this run, calls interleaved, warm-up excluded,
+median of ``--steps`` calls, per training step.
+
+The compile sweep lowers and compiles both ZeRO steps for J = N in
+``--compile_sweep`` (the residual MLP, width 32, one step per call; a child
+process when this one has fewer devices than the largest J). Run:
 
   python experiments/bench_zero.py            # writes results/bench_zero.json
   python experiments/bench_zero.py --quick    # a tiny configuration, seconds
 """
 import json
 import os
+import pathlib
+import re
+import shutil
+import subprocess
 import sys
 import time
 
@@ -36,11 +47,11 @@ from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
 
 
 def bytes_sent_per_device(hlo_text: str, num_workers: int) -> np.ndarray:
-  """Bytes each device sends in one step, by the usual ring costs.
+  """Bytes each device sends in one run of the compiled program, by the usual ring costs.
 
   collective-permute: its buffer per pair the device sources; all-gather:
   ``(G-1)/G`` of the result; reduce-scatter: ``G-1`` results; all-reduce:
-  ``2 (G-1)/G`` of the buffer (G: group size).
+  ``2 (G-1)/G`` of the buffer (G: group size). A loop body counts once.
   """
   sent = np.zeros(num_workers)
   for c in compiled.collectives(hlo_text):
@@ -56,72 +67,137 @@ def bytes_sent_per_device(hlo_text: str, num_workers: int) -> np.ndarray:
   return sent
 
 
+def plan_bytes_sent_per_step(delays, num_steps: int, stage_bytes: int) -> np.ndarray:
+  """Bytes each device sends per step of a ``K``-step cyclic call, from its slot plan."""
+  sent = np.zeros(delays.shape[0])
+  for t in plan.cyclic_transfers(delays, num_steps):  # The MLP has no model state to send.
+    sent[t.src] += stage_bytes
+  return sent / num_steps
+
+
 def state_bytes(tree) -> int:
   """Bytes of one device's shards of ``tree``."""
   return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-def build(num_workers, args):
-  """The three programs for N = J = ``num_workers``: ``{name: (call, state, batch, row)}``."""
-  num_blocks = num_workers
-  model = ResidualMLP(num_classes=10, width=args.width, hidden=4 * args.width,
-                      num_blocks=num_blocks)
+def residual_mlp(num_workers, width, hidden, rows):
+  """The model cut into N blocks (one a stage), a batch of ``rows`` and its stage layout."""
+  model = ResidualMLP(num_classes=10, width=width, hidden=hidden, num_blocks=num_workers)
   rng = np.random.default_rng(0)
-  n = num_workers * args.per_worker
-  batch = {"image": rng.normal(size=(n, 8, 8, 1)).astype(np.float32),
-           "label": rng.integers(0, 10, n).astype(np.int32)}
-  variables = jax.jit(model.init)(jax.random.key(0), batch["image"][:1])
-  params = jax.tree.map(np.asarray, variables["params"])
-  mesh = jax.make_mesh((num_workers,), ("data",))
-  tx = optax.adam(1e-3)
+  batch = {"image": rng.normal(size=(rows, 8, 8, 1)).astype(np.float32),
+           "label": rng.integers(0, 10, rows).astype(np.int32)}
+  params = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(0),
+                                                        batch["image"][:1])["params"])
   sample = batch["image"][:1]
   stage_ids = stages.model_stage_ids(
       model, params, num_workers, sample, strategy="boundaries",
       boundaries=[f"block_{s}" for s in range(1, num_workers)])
   staged = staged_lib.stage_model(model, params, stage_ids, sample, pad_to=num_workers)
+  return model, params, stage_ids, staged, batch
+
+
+def build(num_workers, args):
+  """The three programs for N = J = ``num_workers``: ``{name: (call, state, batch, row)}``."""
+  model, params, stage_ids, staged, batch = residual_mlp(
+      num_workers, args.width, 4 * args.width, num_workers * args.per_worker)
+  mesh = jax.make_mesh((num_workers,), ("data",))
+  tx = optax.adam(1e-3)
+  steps_batch = jax.tree.map(lambda x: np.stack([x] * args.scan_steps), batch)
   programs = {}
   for name, rule in (("cyclic", "cdp-v2"), ("zero3", "dp"), ("engine", "cdp-v2")):
     if name == "engine":
       ex = executor.build("data", model, tx, params=params, model_state=None,
-                          stage_ids=stage_ids, sample_input=sample, rule=rule, mesh=mesh,
-                          loss_fn=staged_lib.cross_entropy)
+                          stage_ids=stage_ids, sample_input=batch["image"][:1], rule=rule,
+                          mesh=mesh, loss_fn=staged_lib.cross_entropy)
+      num_steps, call_batch = 1, batch
     else:
-      ex = zero.make_train_step(staged, tx, rule=rule, mesh=mesh, timetable=name)
+      ex = zero.make_train_step(staged, tx, rule=rule, mesh=mesh, timetable=name,
+                                scan_steps=args.scan_steps)
+      num_steps, call_batch = args.scan_steps, steps_batch
     state = ex.init(params)
     start = time.perf_counter()
-    executable = ex.lower(state, batch).compile()
-    compile_s = time.perf_counter() - start
-    hlo = executable.as_text()
-    memory = compiled.memory(executable)
-    summary = {k: v for k, v in compiled.collective_summary(hlo).items() if v["count"]}
-    stale = getattr(state, "stale_params", ())
-    row = {
-        "num_workers": num_workers, "num_stages": num_workers, "schedule": name, "rule": rule,
-        "compile_s": round(compile_s, 2),
-        "memory": {
-            "parameters": state_bytes((state.params, stale)),
-            "optimizer": state_bytes(state.opt_state),
-            "temporaries": memory["temp_bytes"],
-            "argument_bytes": memory["argument_bytes"],
-            "peak_bytes": memory["peak_bytes"],
-        },
-        "collectives": summary,
-    }
-    sent = bytes_sent_per_device(hlo, num_workers)
-    row["bytes_per_device_per_step"] = int(sent.max())  # The busiest device.
-    row["bytes_per_device_per_step_mean"] = float(sent.mean())
-    row["memory"]["model_states"] = row["memory"]["parameters"] + row["memory"]["optimizer"]
-    if name == "engine":  # All J all-reduces run together after the backward.
-      row["max_slot_bytes_per_device"] = row["bytes_per_device_per_step"]
-      row["max_slot_bytes"] = row["bytes_per_device_per_step"] * num_workers
-    else:
-      stage_bytes = 4 * staged.param_size
-      traffic = plan.slot_traffic(name, num_workers, stage_bytes, rule=rule)
-      row["max_slot_bytes_per_device"] = traffic["max_slot_bytes_per_device"]
-      row["max_slot_bytes"] = traffic["max_slot_bytes"]
-      row["num_slots"] = traffic["num_slots"]
-    programs[name] = (ex.step, state, batch, row)
+    executable = ex.lower(state, call_batch).compile()
+    row = {"num_workers": num_workers, "num_stages": num_workers, "schedule": name,
+           "rule": rule, "steps_per_call": num_steps,
+           "compile_s": round(time.perf_counter() - start, 2)}
+    row.update(program_figures(executable, state, staged, ex.plan.delays, num_steps, name))
+    programs[name] = (ex.step, state, call_batch, row)
   return programs
+
+
+def program_figures(executable, state, staged, delays, num_steps, name) -> dict:
+  """Memory, collectives, bytes per device per step and the busiest slot of one program."""
+  hlo = executable.as_text()
+  memory = compiled.memory(executable)
+  num_workers = staged.num_stages
+  stale = getattr(state, "stale_params", ())
+  row = {
+      "memory": {
+          "parameters": state_bytes((state.params, stale)),
+          "optimizer": state_bytes(state.opt_state),
+          "temporaries": memory["temp_bytes"],
+          "argument_bytes": memory["argument_bytes"],
+          "peak_bytes": memory["peak_bytes"],
+      },
+      "collectives": {k: v for k, v in compiled.collective_summary(hlo).items() if v["count"]},
+  }
+  row["memory"]["model_states"] = row["memory"]["parameters"] + row["memory"]["optimizer"]
+  stage_bytes = 4 * staged.param_size
+  if name == "cyclic":
+    sent = plan_bytes_sent_per_step(delays, num_steps, stage_bytes)
+  else:  # One step in the program (zero3's scan body, or the engine's step).
+    sent = bytes_sent_per_device(hlo, num_workers)
+  row["bytes_per_device_per_step"] = int(sent.max())  # The busiest device.
+  row["bytes_per_device_per_step_mean"] = float(sent.mean())
+  if name == "engine":  # All J all-reduces run together after the backward.
+    row["max_slot_bytes_per_device"] = row["bytes_per_device_per_step"]
+    row["max_slot_bytes"] = row["bytes_per_device_per_step"] * num_workers
+  else:  # One step, flushed (cyclic: its messages in steady state are the same).
+    traffic = plan.slot_traffic(name, num_workers, stage_bytes,
+                                rule="dp" if name == "zero3" else "cdp-v2")
+    row["max_slot_bytes_per_device"] = traffic["max_slot_bytes_per_device"]
+    row["max_slot_bytes"] = traffic["max_slot_bytes"]
+  return row
+
+
+def compile_sweep(num_stages_list, args) -> list[dict]:
+  """Lower and compile seconds and program sizes of both ZeRO steps against J (one step a call)."""
+  if max(num_stages_list, default=0) > jax.device_count():
+    return _compile_sweep_in_child(num_stages_list, args)
+  rows = []
+  tx = optax.sgd(0.1, momentum=0.9)
+  for num_stages in num_stages_list:
+    _, params, _, staged, batch = residual_mlp(num_stages, 32, 64, num_stages * 8)
+    mesh = jax.make_mesh((num_stages,), ("data",))
+    for name, rule in (("cyclic", "cdp-v2"), ("zero3", "dp")):
+      ex = zero.make_train_step(staged, tx, rule=rule, mesh=mesh, timetable=name)
+      state = ex.init(params)
+      start = time.perf_counter()
+      lowered = ex.lower(state, batch)
+      lower_s = time.perf_counter() - start
+      start = time.perf_counter()
+      hlo = lowered.compile().as_text()
+      rows.append({"schedule": name, "num_stages": num_stages, "lower_s": round(lower_s, 2),
+                   "compile_s": round(time.perf_counter() - start, 2),
+                   "stablehlo_mb": round(len(lowered.as_text()) / 1e6, 3),
+                   "hlo_mb": round(len(hlo) / 1e6, 3)})
+  return rows
+
+
+def _compile_sweep_in_child(num_stages_list, args) -> list[dict]:
+  """The sweep in a child process with ``max(J)`` emulated devices."""
+  count = max(num_stages_list)
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                            env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={count}"
+  out = pathlib.Path(args.results_dir) / "compile_child"
+  cmd = [sys.executable, os.path.abspath(__file__), "--compile_only", "--results_dir", str(out),
+         "--compile_sweep", ",".join(map(str, num_stages_list))]
+  subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+  rows = json.loads((out / "bench_zero_compile.json").read_text())["compile_sweep"]
+  shutil.rmtree(out)
+  return rows
 
 
 def main(argv=None):
@@ -129,11 +205,20 @@ def main(argv=None):
   parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
   parser.add_argument("--width", type=int, default=128)
   parser.add_argument("--per-worker", type=int, default=32)
-  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--scan_steps", type=int, default=8, help="K steps per call (ZeRO)")
+  parser.add_argument("--steps", type=int, default=10, help="timed calls (of K steps each)")
   parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--compile_sweep", default="2,4,8,16", help="comma-separated J")
+  parser.add_argument("--compile_only", action="store_true", help="only the compile sweep")
   args = parser.parse_args(argv)
   if args.quick:
     args.workers, args.width, args.per_worker, args.steps, args.warmup = [2], 16, 4, 3, 1
+    args.scan_steps, args.compile_sweep = 2, ""  # The sweep runs in the full benchmark only.
+  sweep_stages = [int(j) for j in args.compile_sweep.split(",") if j]
+  if args.compile_only:
+    path = _common.results_dir(args) / "bench_zero_compile.json"
+    _common.write_json(path, {"compile_sweep": compile_sweep(sweep_stages, args)})
+    return
   rows, goals = [], {}
   for num_workers in args.workers:
     if num_workers > jax.device_count():
@@ -143,35 +228,52 @@ def main(argv=None):
         {name: p[:3] for name, p in programs.items()}, steps=args.steps, warmup=args.warmup)
     by_name = {name: p[3] for name, p in programs.items()}
     for name, row in by_name.items():
-      row["step_time_s"] = medians[name]
-      row["step_time_ratio"] = medians[name] / medians["engine"]
+      row["step_time_s"] = medians[name] / row["steps_per_call"]
+    for name, row in by_name.items():
+      row["step_time_ratio"] = row["step_time_s"] / by_name["engine"]["step_time_s"]
       rows.append(row)
-    cyc, z3, eng = by_name["cyclic"], by_name["zero3"], by_name["engine"]
-    goals[str(num_workers)] = {
-        "only_point_to_point": set(cyc["collectives"]) <= {"collective-permute"},
-        "bytes_vs_zero3": cyc["bytes_per_device_per_step"] / z3["bytes_per_device_per_step"],
-        "mean_bytes_vs_zero3": (cyc["bytes_per_device_per_step_mean"]
-                                / z3["bytes_per_device_per_step_mean"]),
-        "model_states_vs_engine_times_n": (cyc["memory"]["model_states"] * num_workers
-                                           / eng["memory"]["model_states"]),
-        "max_slot_bytes_vs_zero3": cyc["max_slot_bytes"] / z3["max_slot_bytes"],
-    }
+    goals[str(num_workers)] = _goals(by_name, num_workers)
+  sweep = compile_sweep(sweep_stages, args)
   result = {"config": {k: v for k, v in vars(args).items() if k != "results_dir"}, "runs": rows,
-            "goals": goals, "devices": jax.device_count(), "backend": jax.default_backend(),
-            "machine": _common.machine()}
+            "compile_sweep": sweep, "goals": goals, "devices": jax.device_count(),
+            "backend": jax.default_backend(), "machine": _common.machine()}
   path = _common.results_dir(args) / "bench_zero.json"
   _common.write_json(path, result)
-  header = (f"{'N':>2} {'schedule':>8} {'params':>9} {'optim':>9} {'temp':>9} "
-            f"{'collectives':<34} {'sent/dev':>9} {'max slot':>9} {'step ms':>8} {'ratio':>5}")
-  print(header)
+  _print_tables(rows, sweep, goals)
+  print("wrote", path)
+
+
+def _goals(by_name, num_workers) -> dict:
+  cyc, z3, eng = by_name["cyclic"], by_name["zero3"], by_name["engine"]
+  return {
+      "only_point_to_point": set(cyc["collectives"]) <= {"collective-permute"},
+      "step_time_vs_zero3": cyc["step_time_s"] / z3["step_time_s"],
+      "bytes_vs_zero3": cyc["bytes_per_device_per_step"] / z3["bytes_per_device_per_step"],
+      "mean_bytes_vs_zero3": (cyc["bytes_per_device_per_step_mean"]
+                              / z3["bytes_per_device_per_step_mean"]),
+      "model_states_vs_engine_times_n": (cyc["memory"]["model_states"] * num_workers
+                                         / eng["memory"]["model_states"]),
+      "max_slot_bytes_vs_zero3": cyc["max_slot_bytes"] / z3["max_slot_bytes"],
+  }
+
+
+def _print_tables(rows, sweep, goals) -> None:
+  print(f"{'N':>2} {'schedule':>8} {'K':>2} {'params':>9} {'optim':>9} {'temp':>9} "
+        f"{'collectives':<34} {'sent/dev':>9} {'max slot':>9} {'step ms':>8} {'ratio':>5}")
   for r in rows:
     kinds = ", ".join(f"{v['count']} {k}" for k, v in r["collectives"].items())
     m = r["memory"]
-    print(f"{r['num_workers']:>2} {r['schedule']:>8} {m['parameters']:>9} {m['optimizer']:>9} "
-          f"{m['temporaries']:>9} {kinds:<34} {r['bytes_per_device_per_step']:>9} "
-          f"{r['max_slot_bytes']:>9} {1e3 * r['step_time_s']:>8.2f} {r['step_time_ratio']:>5.2f}")
+    print(f"{r['num_workers']:>2} {r['schedule']:>8} {r['steps_per_call']:>2} "
+          f"{m['parameters']:>9} {m['optimizer']:>9} {m['temporaries']:>9} {kinds:<34} "
+          f"{r['bytes_per_device_per_step']:>9} {r['max_slot_bytes']:>9} "
+          f"{1e3 * r['step_time_s']:>8.2f} {r['step_time_ratio']:>5.2f}")
+  print("ratio: per-step time over the engine's; K: steps per compiled call.")
+  print(f"{'J':>2} {'schedule':>8} {'lower s':>8} {'compile s':>9} {'StableHLO MB':>12} "
+        f"{'HLO MB':>7}")
+  for r in sweep:
+    print(f"{r['num_stages']:>2} {r['schedule']:>8} {r['lower_s']:>8.2f} {r['compile_s']:>9.2f} "
+          f"{r['stablehlo_mb']:>12.3f} {r['hlo_mb']:>7.3f}")
   print("goals:", json.dumps(goals))
-  print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -10,23 +10,26 @@ import jax
 import numpy as np
 import pytest
 
-from cdpjax import compiled, engine, schedule
+from cdpjax import compiled, engine, executor, schedule
 from cdpjax.executed import plan, zero
+from cdpjax.executed import staged as staged_lib
 
 import executed_reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def mesh_of(n):
+def mesh_of(n, replicas=None):
+  if replicas:
+    return jax.make_mesh((replicas, n), ("replica", "data"))
   return jax.make_mesh((n,), ("data",))
 
 
 @functools.cache
-def executor_of(name, rule, num_workers, timetable=None):
+def executor_of(name, rule, num_workers, timetable=None, scan_steps=None, replicas=None):
   return zero.make_train_step(ref.staged_of(name, num_workers, pad_to=num_workers),
-                              ref.make_tx(name), rule=rule, mesh=mesh_of(num_workers),
-                              timetable=timetable)
+                              ref.make_tx(name), rule=rule, mesh=mesh_of(num_workers, replicas),
+                              timetable=timetable, scan_steps=scan_steps)
 
 
 def initial_state(ex, name, num_workers):
@@ -34,48 +37,105 @@ def initial_state(ex, name, num_workers):
   return ex.init(params, model_state)
 
 
-def zero_run(name, rule, num_workers):
-  ex = executor_of(name, rule, num_workers)
+def zero_run(name, rule, num_workers, scan_steps=None, replicas=None):
+  """NUM_STEPS steps, ``scan_steps`` per call: per-step metrics and the final variables."""
+  ex = executor_of(name, rule, num_workers, scan_steps=scan_steps, replicas=replicas)
   state = initial_state(ex, name, num_workers)
-  data, metrics = ref.batches(name, num_workers), []
-  for k in range(ref.NUM_STEPS):
-    state, m = ex.step(state, ref.step_batch(data, k))
-    metrics.append(jax.tree.map(np.asarray, m))
+  data, metrics = ref.batches(name, num_workers * (replicas or 1)), []
+  per_call = scan_steps or 1
+  for k in range(0, ref.NUM_STEPS, per_call):
+    batch = jax.tree.map(lambda x: x[k:k + per_call], data)
+    state, m = ex.step(state, batch if scan_steps else ref.step_batch(batch, 0))
+    m = jax.tree.map(np.asarray, m)
+    metrics += [jax.tree.map(lambda x: x[i], m) for i in range(per_call)] if scan_steps else [m]
   assert int(state.step) == ref.NUM_STEPS
   return metrics, jax.tree.map(np.asarray, ex.variables(state)), ex.plan
 
 
-@pytest.mark.parametrize("rule,timetable", [("dp", "zero3"), ("cdp-v2", "cyclic")])
-def test_residual_mlp_matches_engine(rule, timetable):
+@pytest.mark.parametrize("rule,timetable,num_workers,scan_steps", [
+    ("dp", "zero3", 2, None), ("cdp-v1", "cyclic", 2, None), ("cdp-v2", "cyclic", 2, 2)])
+def test_residual_mlp_matches_engine(rule, timetable, num_workers, scan_steps):
   """tests/test_executors.py runs every rule through the launcher against the engine."""
-  metrics, variables, plan_ = zero_run("residual_mlp", rule, 2)
+  metrics, variables, plan_ = zero_run("residual_mlp", rule, num_workers, scan_steps)
   assert plan_.timetable == timetable  # dp runs ZeRO-3, the cdp rules the cyclic ring.
-  ref.assert_matches_engine(metrics, variables, "residual_mlp", rule, 2)
+  ref.assert_matches_engine(metrics, variables, "residual_mlp", rule, num_workers)
 
 
 def test_resnet18_with_batchnorm_matches_engine():
-  """Heterogeneous stages; the new statistics ride the gradient chains to their owner."""
-  metrics, variables, _ = zero_run("resnet18", "cdp-v2", 2)
+  """Heterogeneous stages; new statistics travel the forward ring, across steps and calls."""
+  metrics, variables, _ = zero_run("resnet18", "cdp-v2", 2, scan_steps=2)
   ref.assert_matches_engine(metrics, variables, "resnet18", "cdp-v2", 2)
 
 
 @functools.cache
-def hlo_for(num_workers, rule):
-  ex = executor_of("residual_mlp", rule, num_workers)
-  batch = ref.step_batch(ref.batches("residual_mlp", num_workers, num_steps=1), 0)
+def engine_tiled_run(name, rule, replicas, num_workers):
+  """The engine with R*N workers and the ring's delay matrix tiled R times."""
+  model, params, model_state, stage_ids = ref.model_of(name, num_workers)
+  delays = np.tile(schedule.delay_matrix(rule, num_workers, num_workers), (replicas, 1))
+  ex = executor.engine_executor(
+      model, ref.make_tx(name), stage_ids=stage_ids, rule=delays,
+      mesh=mesh_of(replicas * num_workers), loss_fn=staged_lib.cross_entropy,
+      with_model_state=model_state is not None)
+  state, data, metrics = ex.init(params, model_state), ref.batches(name, replicas * num_workers), []
+  for k in range(ref.NUM_STEPS):
+    state, m = ex.step(state, ref.step_batch(data, k))
+    metrics.append(jax.tree.map(np.asarray, m))
+  return metrics, jax.tree.map(np.asarray, ex.variables(state))
+
+
+@pytest.mark.parametrize("rule,num_workers", [("dp", 2), ("cdp-v2", 4)])
+def test_replicated_rings_match_the_engine_with_tiled_delays(rule, num_workers):
+  """Mesh (replica, data) = (2, N), 2 steps per call: two rings (or ZeRO-3 groups), one psum
+  per stage and step over replica."""
+  metrics, variables, _ = zero_run("residual_mlp", rule, num_workers, 2, replicas=2)
+  want_metrics, want_variables = engine_tiled_run("residual_mlp", rule, 2, num_workers)
+  for k, (got, want) in enumerate(zip(metrics, want_metrics, strict=True)):
+    for key in want:
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"step {k} {key}")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               variables, want_variables)
+
+
+@functools.cache
+def hlo_for(num_workers, rule, scan_steps=2, replicas=None):
+  """The compiled step of an executor the equality tests already compiled."""
+  ex = executor_of("residual_mlp", rule, num_workers, scan_steps=scan_steps, replicas=replicas)
+  batch = ref.batches("residual_mlp", num_workers * (replicas or 1), num_steps=scan_steps or 1)
+  batch = batch if scan_steps else ref.step_batch(batch, 0)
   return ex.lower(initial_state(ex, "residual_mlp", num_workers), batch).compile().as_text()
 
 
 def test_cyclic_step_has_only_collective_permutes_matching_the_plan():
   found = compiled.collectives(hlo_for(2, "cdp-v2"))
   assert {c.kind for c in found} == {"collective-permute"}
-  pairs = Counter(p for c in found for p in c.source_target_pairs)
-  transfers = plan.cyclic_transfers(schedule.delay_matrix("cdp-v2", 2, 2))
-  assert pairs == Counter((t.src, t.dst) for t in transfers)
+  pairs = {p for c in found for p in c.source_target_pairs}
+  transfers = plan.zero_plan(schedule.delay_matrix("cdp-v2", 2, 2), 2).transfers
+  assert pairs == {(t.src, t.dst) for t in transfers}
+
+
+def test_replicated_ring_adds_one_all_reduce_over_replicas():
+  """The update's psum, in the loop body once: it runs once per stage and step."""
+  found = compiled.collectives(hlo_for(4, "cdp-v2", 2, replicas=2))
+  (reduce,) = [c for c in found if c.kind == "all-reduce"]
+  assert sorted(map(sorted, reduce.replica_groups)) == [[i, 4 + i] for i in range(4)]
+  assert {c.kind for c in found} == {"all-reduce", "collective-permute"}
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
+def test_plan_is_the_timeline_without_flush(rule, num_workers):
+  """Slots, workers, steps and versions (cdp-v2: newest available) over 3 steps; 2J slots a step."""
+  delays = schedule.delay_matrix(rule, num_workers, num_workers)
+  expected = [e._replace(slot=int(e.slot))
+              for e in schedule.timeline(rule, num_workers, num_workers, 3)]
+  zero_plan = plan.zero_plan(delays, 3)
+  assert zero_plan.events() == expected
+  assert zero_plan.num_slots == 2 * num_workers * 4 - 1  # 3 steps, a fill, a drain, 1 update.
+  assert (zero_plan.update.sum(axis=0) == 3).all()  # Each owner updates once a step.
 
 
 def test_zero3_gathers_at_use_and_reduce_scatters():
-  summary = compiled.collective_summary(hlo_for(2, "dp"))
+  summary = compiled.collective_summary(hlo_for(2, "dp", None))
   assert summary["all-gather"]["count"] == 4  # Each stage, in the forward and the backward.
   assert summary["reduce-scatter"]["count"] == 2
   assert summary["all-reduce"]["count"] == summary["collective-permute"]["count"] == 0
@@ -147,7 +207,7 @@ class TestBadInput:
       zero.make_train_step(staged, tx, rule="cdp-v2", mesh=mesh_of(2), timetable="gpipe")
     with pytest.raises(ValueError, match="Unknown rule"):
       zero.make_train_step(staged, tx, rule="cdp-v9", mesh=mesh_of(2))
-    with pytest.raises(ValueError, match="no axis 'data'"):
+    with pytest.raises(ValueError, match="has axes \\('stage',\\).*'replica', 'data'"):
       zero.make_train_step(staged, tx, rule="cdp-v2", mesh=jax.make_mesh((2,), ("stage",)))
 
   def test_batch_not_divisible_and_state_rule_mismatch(self):
@@ -156,6 +216,12 @@ class TestBadInput:
     batch = {"image": np.zeros((3, 8, 8, 1), np.float32), "label": np.zeros(3, np.int32)}
     with pytest.raises(ValueError, match="num_workers \\* b rows"):
       ex.step(state, batch)
+    scanned = executor_of("residual_mlp", "cdp-v2", 2, scan_steps=2)
+    with pytest.raises(ValueError, match=r"scan_steps=2 batch leaves need shape \[2, "):
+      scanned.step(state, ref.step_batch(ref.batches("residual_mlp", 2, num_steps=1), 0))
+    with pytest.raises(ValueError, match="scan_steps must be a positive int"):
+      zero.make_train_step(ref.staged_of("residual_mlp", 2, pad_to=2), ref.make_tx("residual_mlp"),
+                           rule="cdp-v2", mesh=mesh_of(2), scan_steps=0)
     dp = executor_of("residual_mlp", "dp", 2)
     good = ref.step_batch(ref.batches("residual_mlp", 2, num_steps=1), 0)
     with pytest.raises(ValueError, match="keeps 1 stale parameter versions.*'dp' needs 0"):

@@ -81,14 +81,13 @@ class RulePlan(NamedTuple):
   def idle_fraction(self, num_steps: int) -> float:
     """Idle device-slots / all device-slots of a call of ``num_steps`` steps, from the plan.
 
-    0 in lockstep (the engine, ZeRO-3: every device works in every slot). CDP-ZeRO's
-    worker ``i`` runs micro-batch ``i``'s ops at the slots where the cyclic
-    pipeline runs them (DESIGN.md section 1), steps following without a flush,
-    so its count is the pipeline's with devices = workers.
+    0 in lockstep (the engine, ZeRO-3: every device works in every slot).
     """
     if self.timetable in ("lockstep", "zero3"):
       return 0.0
     from cdpjax.executed import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    if self.parallelism == "zero":
+      return float(np.mean(plan_lib.zero_plan(self.delays, num_steps).kind == plan_lib.IDLE))
     num_micro, num_stages = self.delays.shape
     return plan_lib.idle_fraction(self.timetable, num_stages, num_steps, num_micro)
 
@@ -209,7 +208,7 @@ def zero_executor(model, tx, *, params, model_state, stage_ids, sample_input, ru
   staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn,
                    pad_to=int(mesh.shape["data"]))
   return zero.make_train_step(staged, tx, rule=rule, mesh=mesh,
-                              **({} if scan_steps is None else {"scan_steps": scan_steps}))
+                              scan_steps=scan_steps)
 
 
 EXECUTORS = {"data": engine_executor, "model": pipeline_executor, "zero": zero_executor}

@@ -8,8 +8,9 @@ and the tests read one plan.
   device's ``SlotEvent`` at a slot; ``executed_events`` lists a whole call as
   ``schedule.Event``s, comparable with ``schedule.timeline``; ``idle_fraction``
   counts a call's idle device-slots.
-- ZeRO (mesh axis ``data``): ``cyclic_transfers`` lists the stage buffers sent
-  point to point in one cyclic step; ``slot_traffic`` counts their bytes.
+- ZeRO (mesh axis ``data``): ``zero_plan`` gives each worker's event, the
+  source of its stage buffer and every point-to-point message of a ``K``-step
+  cyclic call; ``slot_traffic`` counts their bytes.
 """
 from __future__ import annotations
 
@@ -163,19 +164,24 @@ def swap_pairs(num_stages: int, parity: int) -> list[tuple[int, int]]:
   return pairs
 
 
+LOCAL, RING, OWNER = 0, 1, 2  # Where a ZeRO worker's stage buffer comes from.
+
+
 class Transfer(NamedTuple):
-  """One point-to-point message of the cyclic step: a whole stage buffer.
+  """One point-to-point message of the cyclic ZeRO call.
 
   Attributes:
     slot: the message is delivered before this slot's compute.
-    kind: ``"param"`` or ``"grad"``.
+    kind: ``"param"`` (a stage buffer), ``"grad"`` (a gradient partial sum) or
+      ``"state"`` (a stage's model state and the running sum of its new ones).
     src: sending worker.
     dst: receiving worker.
     stage: ``j``.
-    route: ``"ring"`` (from ``dst - 1``, which used or summed the buffer 2 slots
-      earlier), ``"owner"`` (a parameter version from the owner) or ``"final"``
-      (worker ``N-1`` hands the tail chain's sum to the owner).
-    delay: for ``"owner"`` messages, which version ``theta_{t - delay}`` is sent.
+    route: ``"ring"`` (from ``dst - 1``, which used or summed the buffer 2
+      slots earlier; for ``state`` also ``N-1 -> 0`` into the next step),
+      ``"owner"`` (a parameter version from the owner) or ``"final"`` (worker
+      ``N-1`` hands the tail chain's sum to the owner, 1 slot after its backward).
+    delay: for ``"owner"`` messages, which version row (0 = newest) is sent.
   """
   slot: int
   kind: str
@@ -186,45 +192,140 @@ class Transfer(NamedTuple):
   delay: int
 
 
-def work_slot(worker: int, phase: int) -> int:
-  """Slot of a worker's ``phase``-th stage op (``o_i = i * 2J/N = 2i`` for ``N = J``)."""
-  return 2 * worker + phase
+ROUTES = (("param", "ring"), ("param", "owner"), ("grad", "ring"), ("grad", "final"),
+          ("state", "ring"))
 
 
-def cyclic_transfers(delays) -> list[Transfer]:
-  """Every message of one cyclic step for an ``(N, N)`` delay matrix, by slot."""
+class ZeroPlan(NamedTuple):
+  """The static timetable of a ``K``-step cyclic CDP-ZeRO call (``N = J``).
+
+  Tables are int ``[S, N]`` (slot, worker). A worker runs its micro-batch of
+  step ``t`` from slot ``2Jt + 2i``: the forward of stage ``j`` at phase ``j``,
+  its backward at ``2J-1-j``; no flush between steps. Worker ``J-1-j`` owns
+  stage ``j`` and updates it at the start of the slot after worker ``N-1``'s
+  backward of it (``2Jt + 4J-2-j``), which is its own next forward of it.
+
+  Attributes:
+    kind, stage, step: the event (``IDLE``, ``FWD``, ``BWD``) of each worker.
+    version: the owner's version row the event reads (0 = newest), for a
+      ``LOCAL`` read and for the owner's send.
+    source: ``LOCAL`` (the owner), ``RING`` or ``OWNER``: where the buffer comes from.
+    update: 1 where an owner applies its stage's update before the slot.
+    update_step: the step that update ends.
+    grad_chain: 1 where a backward adds the partial sum received on the ring.
+    grad_end: 1 where a backward ends its chain at the owner (into its sum).
+    state_ring: 1 where a forward reads the model state from the state ring,
+      0 where it reads the one that came with the parameters (first step, worker 0).
+    transfers: every message, by slot.
+  """
+  kind: np.ndarray
+  stage: np.ndarray
+  step: np.ndarray
+  version: np.ndarray
+  source: np.ndarray
+  update: np.ndarray
+  update_step: np.ndarray
+  grad_chain: np.ndarray
+  grad_end: np.ndarray
+  state_ring: np.ndarray
+  transfers: list
+
+  @property
+  def num_slots(self) -> int:
+    return self.kind.shape[0]
+
+  def send_version(self) -> np.ndarray:
+    """``[S, N]``: the version row each owner sends (0 where it sends none)."""
+    out = np.zeros_like(self.version)
+    for t in self.transfers:
+      if t.route == "owner":
+        out[t.slot, t.src] = t.delay
+    return out
+
+  def events(self) -> list[schedule_lib.Event]:
+    """The call's events as ``schedule.Event``s, versions as global step indices (``>= 0``)."""
+    num_stages = self.kind.shape[1]
+    updates = np.cumsum(self.update, axis=0)  # [S, N]: an owner's updates up to each slot.
+    events = []
+    for s, i in zip(*np.nonzero(self.kind != IDLE)):
+      j = int(self.stage[s, i])
+      version = int(updates[s, num_stages - 1 - j]) - int(self.version[s, i])
+      events.append(schedule_lib.Event(int(s), int(i), int(self.step[s, i]), j,
+                                       "fwd" if self.kind[s, i] == FWD else "bwd",
+                                       max(version, 0)))
+    return sorted(events)
+
+  def routes(self, kind: str, route: str) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+    """Per slot, which of the distinct pair lists the messages of ``(kind, route)`` use.
+
+    Returns ``(index [S], pair lists)``; list 0 is empty (no message). Each
+    list has distinct sources and targets: one ``ppermute``.
+    """
+    by_slot = defaultdict(set)
+    for t in self.transfers:
+      if (t.kind, t.route) == (kind, route):
+        by_slot[t.slot].add((t.src, t.dst))
+    lists, index = [()], np.zeros(self.num_slots, np.int32)
+    for slot, pairs in sorted(by_slot.items()):
+      pairs = tuple(sorted(pairs))
+      assert len({p[0] for p in pairs}) == len({p[1] for p in pairs}) == len(pairs), pairs
+      if pairs not in lists:
+        lists.append(pairs)
+      index[slot] = lists.index(pairs)
+    return index, [list(p) for p in lists]
+
+
+def zero_slots(num_stages: int, num_steps: int) -> int:
+  """Slots of a ``K``-step cyclic ZeRO call: the pipeline's, plus the slot of stage 0's update."""
+  return cyclic_slots(num_stages, num_steps) + 1
+
+
+def zero_plan(delays, num_steps: int = 1) -> ZeroPlan:
+  """The cyclic CDP-ZeRO timetable of ``num_steps`` steps for an ``(N, N)`` delay matrix."""
   delays = np.asarray(delays)
   num_workers, num_stages = delays.shape
-  owner = [num_stages - 1 - j for j in range(num_stages)]
-  out = []
-  for i in range(num_workers):
-    for phase in range(2 * num_stages):
-      s = work_slot(i, phase)
-      j = phase if phase < num_stages else 2 * num_stages - 1 - phase
-      d, o = int(delays[i, j]), owner[j]
-      if i != o and i > 0 and delays[i - 1, j] == d:
-        out.append(Transfer(s, "param", i - 1, i, j, "ring", d))
-      elif i != o:
-        out.append(Transfer(s, "param", o, i, j, "owner", d))
-      if phase >= num_stages:
-        if 1 <= i <= o or i >= o + 2:
-          out.append(Transfer(s, "grad", i - 1, i, j, "ring", 0))
-        if i == num_workers - 1 and o != i:
-          out.append(Transfer(s + 1, "grad", i, o, j, "final", 0))
-  return sorted(out)
+  period, last = 2 * num_stages, num_workers - 1
+  shape = (zero_slots(num_stages, num_steps), num_workers)
+  tab = {k: np.zeros(shape, np.int32) for k in ZeroPlan._fields[:-1]}
+  owner = lambda j: num_stages - 1 - j
+  update_slot = lambda j, t: period * t + 2 * last + period - j  # After N-1's backward.
+  transfers = []
+  for t in range(num_steps):
+    for i in range(num_workers):
+      for phase in range(period):
+        s, backward = period * t + 2 * i + phase, phase >= num_stages
+        j = period - 1 - phase if backward else phase
+        d, o = int(delays[i, j]), owner(j)
+        updates = sum(update_slot(j, u) <= s for u in range(num_steps))
+        version = updates - t + d
+        assert 0 <= version <= delays.max(), "not causal"
+        source = LOCAL if i == o else RING if i > 0 and delays[i - 1, j] == d else OWNER
+        for key, value in (("kind", BWD if backward else FWD), ("stage", j), ("step", t),
+                           ("version", version), ("source", source)):
+          tab[key][s, i] = value
+        if source == RING:
+          transfers.append(Transfer(s, "param", i - 1, i, j, "ring", 0))
+        elif source == OWNER:
+          transfers.append(Transfer(s, "param", o, i, j, "owner", version))
+        if not backward:
+          tab["state_ring"][s, i] = i > 0 or t > 0
+          if tab["state_ring"][s, i]:
+            transfers.append(Transfer(s, "state", (i - 1) % num_workers, i, j, "ring", 0))
+          continue
+        tab["grad_chain"][s, i] = 1 <= i <= o or i >= o + 2
+        tab["grad_end"][s, i] = i == o
+        if tab["grad_chain"][s, i]:
+          transfers.append(Transfer(s, "grad", i - 1, i, j, "ring", 0))
+        if i == last:
+          if o != last:
+            transfers.append(Transfer(s + 1, "grad", last, o, j, "final", 0))
+          tab["update"][s + 1, o], tab["update_step"][s + 1, o] = 1, t
+  return ZeroPlan(**tab, transfers=sorted(transfers))
 
 
-def _permutations(transfers) -> list[list[Transfer]]:
-  """Splits same-operand transfers into groups with distinct sources and targets."""
-  groups: list[list[Transfer]] = []
-  for t in transfers:
-    for g in groups:
-      if all(t.src != u.src and t.dst != u.dst for u in g):
-        g.append(t)
-        break
-    else:
-      groups.append([t])
-  return groups
+def cyclic_transfers(delays, num_steps: int = 1) -> list[Transfer]:
+  """Every stage and gradient message of a cyclic ZeRO call, by slot (model states left out)."""
+  return [t for t in zero_plan(delays, num_steps).transfers if t.kind != "state"]
 
 
 def slot_traffic(timetable: str, num_workers: int, stage_bytes: int,

@@ -263,13 +263,23 @@ class StagedModel:
     """``(grad_P, cot_h_in_A)``: a stage's backward (recomputing its forward).
 
     The loss enters with cotangent 1; ``cot_h_A`` is the cotangent of the
-    stage output (ignored on the last stage).
+    stage output (ignored on the last stage). A traced ``stage`` switches over
+    the stages' own vjps: the vjp of one switch would carry every stage's
+    residuals, zeros but one, through each backward.
     """
+    if not isinstance(stage, (int, np.integer)):
+      operands = (params_P, state_M, h_A, x, labels, cot_h_A)
+      axes = _varying(operands) | _varying(stage)
+      branches = [lambda *ops, j=j: vary(self.vjp(j, *ops), axes) for j in range(self.num_stages)]
+      return jax.lax.switch(stage, branches, *operands)
+
+    axes = _varying((params_P, state_M, h_A, x, labels, cot_h_A))
+
     def f(p, h):
       h_out, loss, _ = self.apply(stage, p, state_M, h, x, labels)
-      return h_out, loss
+      return vary((h_out, loss), axes)  # Typed as the cotangents, below.
     (h_out, loss), vjp = jax.vjp(f, params_P, h_A)
-    return vjp((cot_h_A, jnp.ones_like(loss)))
+    return vjp(vary((cot_h_A, jnp.ones_like(loss)), axes))
 
 
 def stage_model(model: nn.Module, params, stage_ids, sample_input, *, model_state=None,

@@ -6,29 +6,34 @@ travel and update alike. Worker ``r`` owns stage ``J-1-r``: it alone holds
 that stage's ``theta_t``, its stale versions, its optimizer state and its
 model state (rows of ``[N, ...]`` state arrays are in owner order).
 
-**cyclic.** Worker ``i`` runs its micro-batch through all stages starting
-``2J/N = 2`` slots after worker ``i-1``: the forward of stage ``j`` at slot
-``2i + j``, its backward at ``2i + 2J-1-j`` (DESIGN.md section 1). Every
-message is one ``lax.ppermute`` of a stage buffer (`plan.cyclic_transfers`):
+**cyclic.** Worker ``i`` runs its micro-batch of step ``t`` through all stages
+from slot ``2Jt + 2i``: the forward of stage ``j`` at phase ``j``, its backward
+at phase ``2J-1-j`` (DESIGN.md section 1), with no flush between steps. One
+call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
+`plan.zero_plan`; every message is a ``lax.ppermute`` whose pairs the plan
+fixes per slot (a ``lax.switch`` over the distinct pair lists):
 
-- The buffer a worker uses for stage ``j`` goes on to worker ``i+1``, which needs
-  the same stage, in the same direction, 2 slots later (the ring). The owner
-  uses its own copy, and sends the version the rule prescribes to worker 0 and
-  to any worker whose version differs from its predecessor's. Forward and
+- The buffer a worker uses for stage ``j`` goes on to worker ``i+1``, which
+  needs the same stage and version 2 slots later (the ring). The owner uses
+  its own copy, and sends the version the rule prescribes to worker 0 and to
+  any worker whose version differs from its predecessor's. Forward and
   backward each circulate the stage once: no worker keeps a stage from its
-  forward to its backward (ZeRO-3 gathers twice for the same reason). The
-  stage's model state (BatchNorm statistics, ``M`` elements) travels with it.
+  forward to its backward (ZeRO-3 gathers twice for the same reason).
 - A stage's gradient is accumulated along two ring chains as backwards run:
   workers ``0..o`` end at the owner ``o``; workers ``o+1..N-1`` end at worker
-  ``N-1``, which sends the sum to the owner. The new model states of the
-  step's forwards ride in the same buffers, so the owner gets their sum.
-- Each owner then applies the optimizer to its stage and sets its model state
-  to the mean of the new ones, as the engine does. The step is flushed: one
-  call is one training step of the engine, with the same numbers.
+  ``N-1``, which sends the sum to the owner the next slot. The owner applies
+  the optimizer there, before its own forward of the next step.
+- Model states (BatchNorm statistics, ``M`` elements) travel a ring of their
+  own with the forwards: each forward reads the stage's state of step ``t``
+  and adds its new state to a running sum; worker ``N-1`` turns the sum into
+  the mean, the state of step ``t+1``, which goes on to worker 0's next
+  forward and, with the final gradient, to the owner. A forward of step
+  ``t+1`` can come before the stage's update of step ``t``; its state is ready.
 
-The compiled cyclic step holds collective-permutes only. Metrics leave it
-per worker and are summed outside it. Each backward recomputes its stage
-forward from the stage input it stashed.
+Between calls the state is the engine's, so the numbers equal
+``engine.make_train_step`` step by step for every ``K``. The compiled step
+holds collective-permutes only. Each backward recomputes its stage forward
+from the stage input it stashed.
 
 **zero3.** The baseline with the same state: ZeRO-3 (FSDP) data parallelism in
 lockstep. Each stage's parameter buffers are sharded ``P/N`` per worker; a
@@ -36,13 +41,19 @@ stage is all-gathered at use in the forward and again in the backward, and its
 gradient is reduce-scattered. Model states are replicated and averaged by one
 all-reduce. Rule ``dp`` runs this way (`executor.resolve`).
 
+**Replicas.** On a mesh ``(replica, data)`` (``jax.make_mesh((R, N),
+("replica", "data"))``) each replica runs its own ring (or ZeRO-3 group) on its
+``N*b`` rows, and each stage's gradient is summed over ``replica`` by one
+``psum`` per stage and step, where the stage updates: the engine with ``R*N``
+workers and the ring's delay matrix tiled ``R`` times.
+
 The optimizer sees each stage as one flat vector, so it must act elementwise
 (sgd, momentum, adam, weight decay): a transform that needs a global view,
 such as ``clip_by_global_norm``, would need an all-reduce.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +68,7 @@ from cdpjax.executed.pipeline import StagedState, replicated
 from cdpjax.executed.staged import StagedModel, vary
 
 AXIS = "data"
+REPLICA = "replica"
 TIMETABLES = ("cyclic", "zero3")
 
 
@@ -65,12 +77,24 @@ def owner(stage: int, num_stages: int) -> int:
   return num_stages - 1 - stage
 
 
-def _num_workers(mesh: Mesh) -> int:
-  if AXIS not in mesh.axis_names:
+def _mesh_axes(mesh: Mesh) -> tuple[str, ...]:
+  """``("data",)`` or ``("replica", "data")``; any other mesh is refused."""
+  names = tuple(mesh.axis_names)
+  if names not in ((AXIS,), (REPLICA, AXIS)):
     raise ValueError(
-        f"The mesh has axes {tuple(mesh.axis_names)} but no axis {AXIS!r}: build it with "
-        f"jax.make_mesh((num_workers,), ({AXIS!r},)).")
+        f"The mesh has axes {names}: CDP-ZeRO runs on jax.make_mesh((num_workers,), "
+        f"({AXIS!r},)), or jax.make_mesh((R, num_workers), ({REPLICA!r}, {AXIS!r})) for R "
+        "replicas of the ring.")
+  return names
+
+
+def _num_workers(mesh: Mesh) -> int:
+  _mesh_axes(mesh)
   return int(mesh.shape[AXIS])
+
+
+def _num_replicas(mesh: Mesh) -> int:
+  return int(mesh.shape[REPLICA]) if REPLICA in mesh.axis_names else 1
 
 
 def _check_staged(staged: StagedModel, num_workers: int) -> None:
@@ -143,136 +167,200 @@ def _shardings(state, mesh, timetable):
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def _table(values, me):
-  """This worker's entry of a static per-worker table."""
-  return jnp.asarray(np.asarray(values, np.int32))[me]
+def _metrics_row(loss_K, grad_sq_KxJ, param_sq_KxJ):
+  """``[1, K, 1 + 2J]``: this worker's loss and its parts of the per-stage squared norms."""
+  return jnp.concatenate([loss_K[:, None], grad_sq_KxJ, param_sq_KxJ], axis=1)[None]
 
 
-def _metrics_row(loss, grad_sq_J, param_sq_J):
-  """``[1, 1 + 2J]``: this worker's loss and its parts of the per-stage squared norms."""
-  return jnp.concatenate([loss[None], grad_sq_J, param_sq_J])[None]
+class _Carry(NamedTuple):
+  """The scan carry of one cyclic worker: its owned stage and its micro-batch in flight.
+
+  Two-slot queues are indexed by slot parity: row ``s % 2`` holds what slot
+  ``s-2`` produced until slot ``s`` sends it on and overwrites it.
+  """
+  versions_VxP: Any  # The owned stage; theta_{t-v} is row (head + v) % V.
+  head: Any
+  opt_state: Any
+  model_state_M: Any
+  acc_Q: Any         # The owned stage's gradient sum ([P]), then its next model state ([M]).
+  used_2xP: Any      # Stage buffers used, to send on along the ring.
+  partial_2xQ: Any   # Gradient partial sums, to send on along a chain.
+  state_2x2M: Any    # Forward model-state messages: the state read, the sum of new ones.
+  h_A: Any
+  cot_A: Any
+  stash_JxA: Any     # Each stage's input of the micro-batch in flight.
+  stash_JxM: Any     # The model state each stage's forward read.
+  next_JxM: Any      # Worker N-1: each stage's next model state, for the final gradient.
+  stats_3xK: Any     # Per step: the loss, the owned stage's squared gradient and parameter norms.
 
 
-def _advance(state: StagedState, updates, opt_state, model_state) -> StagedState:
-  """``theta_{t+1} = theta_t + updates``; ``theta_t`` becomes the newest stale version."""
-  stale = ((state.params,) + tuple(state.stale_params))[:len(state.stale_params)]
-  return StagedState(state.step + 1, state.params + updates, stale, opt_state, model_state)
+class _Ring(NamedTuple):
+  """Static facts of the cyclic ring on one mesh."""
+  num_workers: int
+  size_p: int
+  size_m: int
+  axes: tuple
+  num_replicas: int
+  plan: plan_lib.ZeroPlan
+
+  def vary(self, tree, state=False):
+    """Typed for the carry: the owned stage is the same on every replica, the rest is not."""
+    return vary(tree, (AXIS,) if state else self.axes)
+
+  def route(self, name, slot, make, *operands):
+    """The messages ``name`` of ``plan.ROUTES`` at ``slot``; ``make(*operands)`` is the buffer sent."""
+    index, pair_lists = self.plan.routes(*name)
+    shape = jax.eval_shape(make, *operands)
+
+    def send(pairs):
+      if not pairs:
+        return lambda *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
+      return lambda *ops: self.vary(jax.lax.ppermute(make(*ops), AXIS, pairs))
+    return jax.lax.switch(jnp.asarray(index)[slot], [send(p) for p in pair_lists], *operands)
 
 
-def _cyclic_body(staged: StagedModel, tx, delays):
-  """The per-worker cyclic step, for ``shard_map`` over ``data``."""
-  num_workers = num_stages = staged.num_stages
-  size_p, size_m = staged.param_size, staged.state_size
-  by_slot = defaultdict(list)
-  for t in plan_lib.cyclic_transfers(delays):
-    by_slot[t.slot].append(t)
-  last_work = plan_lib.work_slot(num_workers - 1, 2 * num_stages - 1)
-  num_slots = 1 + max(max(by_slot, default=0), last_work)
-  work = [[None] * num_workers for _ in range(num_slots)]  # (stage, is_backward) or None.
-  for i in range(num_workers):
-    for phase in range(2 * num_stages):
-      j = phase if phase < num_stages else 2 * num_stages - 1 - phase
-      work[plan_lib.work_slot(i, phase)][i] = (j, phase >= num_stages)
-  axes = (AXIS,)
+def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
+  """The owner's optimizer step on its stage, with the chains' sum (and the replicas')."""
+  acc = carry.acc_Q + final_Q
+  if ring.num_replicas > 1:
+    acc = jax.lax.psum(acc, REPLICA)  # The one all-reduce of this stage and step.
+  grads = acc[:ring.size_p] / (ring.num_workers * ring.num_replicas)
+  num_versions = carry.versions_VxP.shape[0]
+  params = carry.versions_VxP[carry.head]
+  updates, opt_state = tx.update(grads, carry.opt_state, params)
+  params = optax.apply_updates(params, updates)
+  head = (carry.head - 1) % num_versions  # The oldest version's row takes theta_{t+1}.
+  stats = carry.stats_3xK.at[1, step].set(ring.vary(jnp.sum(jnp.square(grads))))
+  stats = stats.at[2, step].set(ring.vary(jnp.sum(jnp.square(params))))
+  return carry._replace(
+      versions_VxP=carry.versions_VxP.at[head].set(params), head=head,
+      opt_state=ring.vary(opt_state, state=True),
+      model_state_M=ring.vary(acc[ring.size_p:] / ring.num_replicas, state=True),
+      acc_Q=ring.vary(jnp.zeros_like(acc)), stats_3xK=stats)
+
+
+def _branches(staged: StagedModel, ring: _Ring):
+  """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
+
+  Operands ``(carry, event, buf_P, state_2M, chain_Q, me, x, labels)``; results
+  ``(h, cot, stash_JxA, stash_JxM, next_JxM, partial_Q, state_2M, loss)``.
+  """
+  size_m, last = ring.size_m, ring.num_workers - 1
+
+  def idle(ops):
+    c = ops[0]
+    zeros_q = jnp.zeros(c.acc_Q.shape, jnp.float32)
+    return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, zeros_q,
+                      jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
+
+  def forward(ops):
+    c, ev, buf, state, _, me, x, labels = ops
+    j, read = ev["stage"], state[:size_m]
+    h, loss, new_state = staged.apply(j, buf, read, c.h_A, x, labels)
+    total = state[size_m:] + new_state
+    mean = total / ring.num_workers
+    # Worker N-1 closes the sum: the state of step t+1 goes on to the next step and the owner.
+    msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
+                    jnp.concatenate([read, total]))
+    return ring.vary((h, c.cot_A, c.stash_JxA.at[j].set(c.h_A), c.stash_JxM.at[j].set(read),
+                      c.next_JxM.at[j].set(mean), jnp.zeros(c.acc_Q.shape, jnp.float32), msg,
+                      loss))
+
+  def backward(ops):
+    c, ev, buf, _, chain, me, x, labels = ops
+    j = ev["stage"]
+    grads, cot = staged.vjp(j, buf, c.stash_JxM[j], c.stash_JxA[j], x, labels, c.cot_A)
+    next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
+    partial = jnp.concatenate([grads, next_state]) + jnp.where(ev["grad_chain"] == 1, chain, 0.0)
+    return ring.vary((c.h_A, cot, c.stash_JxA, c.stash_JxM, c.next_JxM, partial,
+                      jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
+
+  return [idle, forward, backward]
+
+
+def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_replicas: int):
+  """The per-worker ``K``-step cyclic body for ``shard_map``: a ``lax.scan`` over the plan's slots."""
+  plan = plan_lib.zero_plan(delays, num_steps)
+  ring = _Ring(staged.num_stages, staged.param_size, staged.state_size, tuple(axes),
+               num_replicas, plan)
+  tables = {k: getattr(plan, k) for k in ("kind", "stage", "step", "version", "source", "update",
+                                          "update_step", "grad_chain", "grad_end", "state_ring")}
+  tables["send_version"] = plan.send_version()
+  branches = _branches(staged, ring)
+  size_p, size_m = ring.size_p, ring.size_m
+
+  def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB):
+    ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
+    num_versions = c.versions_VxP.shape[0]
+    own = lambda versions, head, v: versions[(head + v) % num_versions]
+    final = ring.route(("grad", "final"), slot, lambda p: p[(slot + 1) % 2], c.partial_2xQ)
+    c = jax.lax.cond(ev["update"] == 1, lambda c: _update(ring, tx, c, final, ev["update_step"]),
+                     lambda c: c, c)
+    recv = ring.route(("param", "ring"), slot, lambda u: u[slot % 2], c.used_2xP)
+    from_owner = ring.route(
+        ("param", "owner"), slot,
+        lambda vs, h, v, m: jnp.concatenate([own(vs, h, v), m]),
+        c.versions_VxP, c.head, ev["send_version"], c.model_state_M)
+    chain = ring.route(("grad", "ring"), slot, lambda p: p[slot % 2], c.partial_2xQ)
+    buf = jax.lax.switch(ev["source"], [  # Indexed by LOCAL, RING, OWNER; one copy.
+        lambda: ring.vary(own(c.versions_VxP, c.head, ev["version"])), lambda: recv,
+        lambda: from_owner[:size_p]])
+    first_state = jnp.where(ev["source"] == plan_lib.LOCAL, c.model_state_M, from_owner[size_p:])
+    state = jnp.concatenate([first_state, jnp.zeros((size_m,), jnp.float32)])
+    if size_m:
+      state = jnp.where(ev["state_ring"] == 1, ring.route(
+          ("state", "ring"), slot, lambda m: m[slot % 2], c.state_2x2M), state)
+    x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
+    h, cot, stash, stash_m, next_m, partial, msg, loss = jax.lax.switch(
+        ev["kind"], branches, (c, ev, buf, state, chain, me, x, labels))
+    return c._replace(
+        acc_Q=jnp.where(ev["grad_end"] == 1, c.acc_Q + partial, c.acc_Q),
+        used_2xP=c.used_2xP.at[slot % 2].set(buf), partial_2xQ=c.partial_2xQ.at[slot % 2].set(partial),
+        state_2x2M=c.state_2x2M.at[slot % 2].set(msg), h_A=h, cot_A=cot, stash_JxA=stash,
+        stash_JxM=stash_m, next_JxM=next_m,
+        stats_3xK=c.stats_3xK.at[0, ev["step"]].add(loss)), None
 
   def body(state: StagedState, batch):
     me = jax.lax.axis_index(AXIS)
-    x, y = batch["image"], batch["label"]
-    act = staged.act_size(jax.ShapeDtypeStruct(x.shape, x.dtype))
-    # A stage buffer: its parameters (a version), then its model state.
-    own_state = (jnp.zeros((0,), jnp.float32) if state.model_state is None
-                 else state.model_state[0])
-    versions = [jnp.concatenate([v[0], own_state])
-                for v in (state.params,) + tuple(state.stale_params)]
-    zeros_buf = vary(jnp.zeros((size_p + size_m,), jnp.float32), axes)
-    h = cot = vary(jnp.zeros((act,), jnp.float32), axes)
-    stash = vary(jnp.zeros((num_stages, act), jnp.float32), axes)  # Each stage's input.
-    stash_state = vary(jnp.zeros((num_stages, size_m), jnp.float32), axes)
-    loss = vary(jnp.zeros((), jnp.float32), axes)
-    acc = zeros_buf  # The owned stage's gradient and new-state sum.
-    used, partial = {}, {}  # Per slot: the stage buffer used, the sum sent on.
-    # Owner sends depend on ``clock`` (0 * a value that changes every slot; XLA
-    # cannot fold it, 0 * nan is not 0): else CSE merges a backward's send into
-    # the forward's, and the receiver holds the stage in between.
-    clock = jnp.zeros((), jnp.float32)
-    carry = (h, cot, stash, stash_state, loss)
-
-    def idle(buf, carry, j):
-      return vary((carry, zeros_buf), axes)
-
-    def forward(buf, carry, j):
-      h, cot, stash, stash_state, loss = carry
-      stash = jax.lax.dynamic_update_index_in_dim(stash, h, j, 0)
-      h, stage_loss, new_state = staged.apply(j, buf[:size_p], buf[size_p:], h, x, y)
-      stash_state = jax.lax.dynamic_update_index_in_dim(stash_state, new_state, j, 0)
-      loss = jnp.where(j == num_stages - 1, stage_loss, loss)
-      return vary(((h, cot, stash, stash_state, loss), zeros_buf), axes)
-
-    def backward(buf, carry, j):
-      h, cot, stash, stash_state, loss = carry
-      h_in = jax.lax.dynamic_index_in_dim(stash, j, 0, keepdims=False)
-      grad, cot = staged.vjp(j, buf[:size_p], buf[size_p:], h_in, x, y, cot)
-      new_state = jax.lax.dynamic_index_in_dim(stash_state, j, 0, keepdims=False)
-      return vary(((h, cot, stash, stash_state, loss), jnp.concatenate([grad, new_state])), axes)
-
-    for s in range(num_slots):
-      cur, chain_in = zeros_buf, zeros_buf
-      groups = defaultdict(list)  # Transfers with the same operand.
-      for t in by_slot[s]:
-        groups[(t.kind, t.route, t.delay if t.route == "owner" else 0)].append(t)
-      for (kind, route, delay), group in sorted(groups.items()):
-        operand = {("param", "ring"): lambda: used[s - 2],
-                   ("param", "owner"): lambda: versions[delay] + 0 * clock,
-                   ("grad", "ring"): lambda: partial[s - 2],
-                   ("grad", "final"): lambda: partial[s - 1]}[(kind, route)]()
-        for perm in plan_lib._permutations(group):  # pylint: disable=protected-access
-          received = jax.lax.ppermute(operand, AXIS, [(t.src, t.dst) for t in perm])
-          if kind == "param":
-            is_dst = _table([any(t.dst == i for t in perm) for i in range(num_workers)], me)
-            cur = jnp.where(is_dst == 1, received, cur)
-          elif route == "ring":
-            chain_in = chain_in + received  # Zeros on workers that are not targets.
-          else:
-            acc = acc + received
-      row = work[s]
-      if not any(row):
-        continue
-      local = [w is not None and owner(w[0], num_stages) == i for i, w in enumerate(row)]
-      local_delay = [int(delays[i, w[0]]) if w else 0 for i, w in enumerate(row)]
-      own = jnp.stack(versions)[_table(local_delay, me)]
-      cur = jnp.where(_table(local, me) == 1, own, cur)
-      used[s] = cur
-      codes = [0 if w is None else 1 + int(w[1]) for w in row]
-      present = sorted(set(codes))
-      branches = [(idle, forward, backward)[c] for c in present]
-      stage = _table([w[0] if w else 0 for w in row], me)
-      carry, grad = jax.lax.switch(_table([present.index(c) for c in codes], me), branches,
-                                   cur, carry, stage)
-      partial[s] = chain_in + grad
-      clock = carry[0][0] + carry[1][0]
-      owns = [w is not None and w[1] and owner(w[0], num_stages) == i for i, w in enumerate(row)]
-      acc = jnp.where(_table(owns, me) == 1, acc + partial[s], acc)
-
-    grads = acc[:size_p] / num_workers
-    updates, opt_state = jax.vmap(tx.update)(grads[None], state.opt_state, state.params)
-    new = _advance(state, updates, opt_state,
-                   None if state.model_state is None else (acc[size_p:] / num_workers)[None])
-    # Squared norms of the owned stage, at its column of the stage-order vector.
-    mine = jax.nn.one_hot(num_stages - 1 - me, num_stages, dtype=jnp.float32)
-    metrics = _metrics_row(carry[4] / num_workers, mine * jnp.sum(jnp.square(grads)),
-                           mine * jnp.sum(jnp.square(new.params)))
-    return new, metrics
+    x, labels = batch["image"], batch["label"]
+    act = staged.act_size(jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
+    zeros = lambda *shape: ring.vary(jnp.zeros(shape, jnp.float32))
+    model_state = (jnp.zeros((1, 0), jnp.float32) if state.model_state is None
+                   else state.model_state)
+    carry = _Carry(
+        versions_VxP=ring.vary(jnp.stack([v[0] for v in state.versions]), state=True),
+        head=ring.vary(jnp.zeros((), jnp.int32), state=True),
+        opt_state=ring.vary(jax.tree.map(lambda a: a[0], state.opt_state), state=True),
+        model_state_M=ring.vary(model_state[0], state=True), acc_Q=zeros(size_p + size_m),
+        used_2xP=zeros(2, size_p), partial_2xQ=zeros(2, size_p + size_m),
+        state_2x2M=zeros(2, 2 * size_m), h_A=zeros(act), cot_A=zeros(act),
+        stash_JxA=zeros(ring.num_workers, act), stash_JxM=zeros(ring.num_workers, size_m),
+        next_JxM=zeros(ring.num_workers, size_m), stats_3xK=zeros(3, num_steps))
+    carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, me, x, labels), carry,
+                            jnp.arange(plan.num_slots))
+    num_versions = carry.versions_VxP.shape[0]
+    versions = carry.versions_VxP[(carry.head + jnp.arange(num_versions)) % num_versions]
+    glob = lambda tree: jax.tree.map(lambda a: a[None], tree)
+    new = StagedState(state.step + num_steps, glob(versions[0]),
+                      tuple(glob(v) for v in versions[1:]), glob(carry.opt_state),
+                      None if state.model_state is None else glob(carry.model_state_M))
+    # The owned stage's norms, at its column of the stage-order vector.
+    mine = jax.nn.one_hot(ring.num_workers - 1 - me, ring.num_workers, dtype=jnp.float32)
+    loss, grad_sq, param_sq = carry.stats_3xK
+    return new, _metrics_row(loss, grad_sq[:, None] * mine[None], param_sq[:, None] * mine[None])
 
   return body
 
 
-def _zero3_body(staged: StagedModel, tx, delays):
-  """The per-worker ZeRO-3 step (lockstep DP, stages gathered at use), for ``shard_map``."""
+def _zero3_step(staged: StagedModel, tx, delays, num_replicas: int):
+  """One ZeRO-3 step of one worker (lockstep DP, stages gathered at use)."""
   num_workers = num_stages = staged.num_stages
+  num_total = num_workers * num_replicas
+  axes = (REPLICA, AXIS) if num_replicas > 1 else (AXIS,)
 
-  def body(state: StagedState, batch):
+  def step(state: StagedState, batch):
     me = jax.lax.axis_index(AXIS)
-    x, y = batch["image"], batch["label"]
+    x, y = batch
 
     def gather(versions, j, after=None):
       """This worker's view of stage ``j``: every version it may read, gathered.
@@ -289,14 +377,14 @@ def _zero3_body(staged: StagedModel, tx, delays):
       full = {v: jax.lax.all_gather(shard(v), AXIS, tiled=True) for v in column}
       view = full[column[0]]
       for v in column[1:]:
-        view = jnp.where(_table(delays[:, j], me) == v, full[v], view)
+        view = jnp.where(jnp.asarray(delays[:, j])[me] == v, full[v], view)
       return view
 
-    versions = (state.params,) + tuple(state.stale_params)  # Each [N, P/N].
+    versions = state.versions  # Each [N, P/N].
     states = (jnp.zeros((num_stages, 0), jnp.float32) if state.model_state is None
               else state.model_state)
     act = staged.act_size(jax.ShapeDtypeStruct(x.shape, x.dtype))
-    h = vary(jnp.zeros((act,), jnp.float32), (AXIS,))
+    h = vary(jnp.zeros((act,), jnp.float32), axes)
     stash, new_states = [], []
     for j in range(num_stages):
       stash.append(h)
@@ -309,22 +397,39 @@ def _zero3_body(staged: StagedModel, tx, delays):
       after = loss if j == num_stages - 1 else cot[0]
       grad, cot = staged.vjp(j, gather(versions, j, after),
                              states[owner(j, num_stages)], stash[j], x, y, cot)
-      grads[owner(j, num_stages)] = jax.lax.psum_scatter(grad, AXIS, tiled=True) / num_workers
+      grad = jax.lax.psum_scatter(grad, AXIS, tiled=True)
+      if num_replicas > 1:
+        grad = jax.lax.psum(grad, REPLICA)  # One all-reduce per stage and step.
+      grads[owner(j, num_stages)] = grad / num_total
     grads = jnp.stack(grads)
     updates, opt_state = jax.vmap(tx.update)(grads, state.opt_state, state.params)
     model_state = state.model_state
     if model_state is not None:
-      model_state = jax.lax.pmean(jnp.stack(new_states[::-1]), AXIS)
-    new = _advance(state, updates, opt_state, model_state)
-    metrics = _metrics_row(loss / num_workers, jnp.sum(jnp.square(grads), axis=1)[::-1],
-                           jnp.sum(jnp.square(new.params), axis=1)[::-1])
-    return new, metrics
+      model_state = jax.lax.pmean(jnp.stack(new_states[::-1]), axes)
+    stale = (state.params,) + tuple(state.stale_params)
+    new = StagedState(state.step + 1, state.params + updates, stale[:len(state.stale_params)],
+                      opt_state, model_state)
+    row = vary([loss[None], jnp.sum(jnp.square(grads), axis=1)[::-1],
+                jnp.sum(jnp.square(new.params), axis=1)[::-1]], axes)
+    return new, jnp.concatenate(row)
+
+  return step
+
+
+def _zero3_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_replicas: int):
+  """The per-worker ``K``-step ZeRO-3 body for ``shard_map``: a ``lax.scan`` over steps."""
+  del num_steps, axes  # The batch's leading axis gives K.
+  step = _zero3_step(staged, tx, delays, num_replicas)
+
+  def body(state: StagedState, batch):
+    state, rows = jax.lax.scan(step, state, (batch["image"], batch["label"]))
+    return state, rows[None]
 
   return body
 
 
 def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, rule,
-                    mesh: Mesh, timetable: str | None = None,
+                    mesh: Mesh, timetable: str | None = None, scan_steps: int | None = None,
                     donate: bool = True) -> executor_lib.Executor:
   """CDP-ZeRO (``cyclic``) or ZeRO-3 (``zero3``) of ``staged`` behind the executor contract.
 
@@ -332,40 +437,34 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
     staged: the model cut into ``J = N`` stages, built with ``pad_to=N``.
     tx: an elementwise optax optimizer (it sees each stage as one flat vector).
     rule: a name of ``schedule.RULES`` or an ``(N, N)`` delay matrix.
-    mesh: a mesh with axis ``data`` of size ``N``.
+    mesh: a mesh with axis ``data`` of size ``N``, or axes ``(replica, data)``
+      for ``R`` replicas of the ring.
     timetable: ``cyclic`` or ``zero3``; by default the rule's
       (`executor.resolve`): ``zero3`` for ``dp``, else ``cyclic``.
+    scan_steps: if ``K``, one call runs ``K`` steps (one fill and one drain of
+      the ring); batch leaves are then ``[K, R*N*b, ...]`` and metrics gain a
+      leading ``K`` axis.
     donate: donate the input state's buffers.
 
   Returns:
-    An ``Executor``. ``batch`` is ``{"image": [N*b, ...], "label": [N*b]}``,
-    host arrays or global ``jax.Array``s; worker ``i`` gets rows
-    ``i*b:(i+1)*b``. Metrics: ``loss``, ``grad_norm``, ``grad_norm_per_stage``,
-    ``param_norm``, replicated on every device.
+    An ``Executor``. ``batch`` is ``{"image": [R*N*b, ...], "label": [R*N*b]}``,
+    host arrays or global ``jax.Array``s; worker ``i`` of replica ``r`` gets
+    rows ``(r*N + i)*b : (r*N + i + 1)*b``. Metrics: ``loss``, ``grad_norm``,
+    ``grad_norm_per_stage``, ``param_norm``, replicated on every device.
   """
-  num_workers = _num_workers(mesh)
+  if scan_steps is not None and (int(scan_steps) != scan_steps or scan_steps < 1):
+    raise ValueError(f"scan_steps must be a positive int or None, got {scan_steps!r}.")
+  num_workers, num_replicas, axes = _num_workers(mesh), _num_replicas(mesh), _mesh_axes(mesh)
   _check_staged(staged, num_workers)
-  if not isinstance(rule, str) and np.shape(rule) != (num_workers, num_workers):
-    raise ValueError(
-        f"Delay matrix has shape {np.shape(rule)}; CDP-ZeRO needs (N, J) = ({num_workers}, "
-        f"{num_workers}): one stage per worker. Use J = N stages, or the replicated engine "
-        "(parallelism='data') for N != J.")
-  plan = executor_lib.resolve(rule, "zero", num_workers, num_workers)
-  if timetable is not None:
-    if timetable not in TIMETABLES:
-      raise ValueError(f"Unknown timetable {timetable!r}: use one of {TIMETABLES}.")
-    if timetable == "cyclic" and plan.timetable != "cyclic":
-      raise ValueError(f"Rule {rule!r} has no delays and is not causal on the cyclic timetable: "
-                       "use timetable='zero3' (or leave timetable unset) for dp.")
-    plan = plan._replace(timetable=timetable)
+  plan = _resolve(rule, timetable, num_workers)
   make_body = _cyclic_body if plan.timetable == "cyclic" else _zero3_body
-  body = make_body(staged, tx, plan.delays)
-  batch_specs = {"image": P(AXIS), "label": P(AXIS)}
+  body = make_body(staged, tx, plan.delays, scan_steps or 1, axes, num_replicas)
+  batch_spec = P(None, axes)
 
   def run(state: StagedState, batch):
     specs = _specs(state, plan.timetable)
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, batch_specs),
-                         out_specs=(specs, P(AXIS)))(state, batch)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, batch_spec),
+                         out_specs=(specs, P(axes)))(state, batch)
 
   run = jax.jit(run, donate_argnums=(0,) if donate else ())
 
@@ -375,29 +474,72 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
       raise ValueError(
           f"The state holds stage buffers {np.shape(state.params)}, the step expects "
           f"({num_workers}, {staged.param_size}): build both from the same staged model and mesh.")
-    if not isinstance(batch, dict) or set(batch) != {"image", "label"}:
-      raise ValueError("batch must be a dict with keys 'image' and 'label'.")
-    size = np.shape(batch["label"])[0]
-    if size == 0 or size % num_workers or np.shape(batch["image"])[0] != size:
-      raise ValueError(
-          f"Batch of {np.shape(batch['image'])[0]} images and {size} labels: use "
-          f"num_workers * b rows for both ({num_workers} workers; worker i gets rows "
-          "i*b:(i+1)*b).")
-    sharding = NamedSharding(mesh, P(AXIS))
-    batch = jax.device_put(batch, sharding)
+    batch = _steps_batch(batch, scan_steps, num_workers * num_replicas)
+    batch = jax.device_put(batch, NamedSharding(mesh, batch_spec))
     return jax.device_put(state, _shardings(state, mesh, plan.timetable)), batch
 
   def step(state, batch, norms=True):
     del norms  # The norms ride the owners' update; they cost no extra pass here.
     state, rows = run(*prepare(state, batch))
-    totals = jnp.sum(replicated(rows), axis=0)
-    grad_sq, param_sq = totals[1:1 + num_workers], totals[1 + num_workers:]
-    return state, {"loss": totals[0], "grad_norm": jnp.sqrt(jnp.sum(grad_sq)),
-                   "grad_norm_per_stage": jnp.sqrt(grad_sq),
-                   "param_norm": jnp.sqrt(jnp.sum(param_sq))}
+    metrics = _metrics(rows, num_replicas, num_workers)
+    return state, metrics if scan_steps else jax.tree.map(lambda m: m[0], metrics)
 
   return executor_lib.Executor(
       init=lambda params, model_state=None: init_state(staged, params, tx, rule=rule, mesh=mesh,
                                                        model_state=model_state),
       step=step, variables=lambda state: variables(state, staged),
       lower=lambda state, batch: run.lower(*prepare(state, batch)), plan=plan)
+
+
+def _resolve(rule, timetable, num_workers) -> executor_lib.RulePlan:
+  """The rule's plan on the ring; an explicit ``timetable`` must be able to run it."""
+  if not isinstance(rule, str) and np.shape(rule) != (num_workers, num_workers):
+    raise ValueError(
+        f"Delay matrix has shape {np.shape(rule)}; CDP-ZeRO needs (N, J) = ({num_workers}, "
+        f"{num_workers}): one stage per worker. Use J = N stages, or the replicated engine "
+        "(parallelism='data') for N != J.")
+  plan = executor_lib.resolve(rule, "zero", num_workers, num_workers)
+  if timetable is None:
+    return plan
+  if timetable not in TIMETABLES:
+    raise ValueError(f"Unknown timetable {timetable!r}: use one of {TIMETABLES}.")
+  if timetable == "cyclic" and plan.timetable != "cyclic":
+    raise ValueError(f"Rule {rule!r} has no delays and is not causal on the cyclic timetable: "
+                     "use timetable='zero3' (or leave timetable unset) for dp.")
+  return plan._replace(timetable=timetable)
+
+
+def _steps_batch(batch, scan_steps, num_rows_split: int) -> dict:
+  """``batch`` with a leading steps axis ``[K, R*N*b, ...]``, checked."""
+  if not isinstance(batch, dict) or set(batch) != {"image", "label"}:
+    raise ValueError("batch must be a dict with keys 'image' and 'label'.")
+  batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
+  if scan_steps is None:
+    batch = {k: v[None] for k, v in batch.items()}
+  elif any(len(v.shape) < 2 or v.shape[0] != scan_steps for v in batch.values()):
+    raise ValueError(f"With scan_steps={scan_steps} batch leaves need shape "
+                     f"[{scan_steps}, num_workers * b, ...]; got "
+                     f"{[tuple(v.shape) for v in batch.values()]}.")
+  size = batch["label"].shape[1]
+  if size == 0 or size % num_rows_split or batch["image"].shape[1] != size:
+    raise ValueError(
+        f"Batch of {batch['image'].shape[1]} images and {size} labels: use "
+        f"num_workers * b rows for both ({num_rows_split} workers; worker i gets rows "
+        "i*b:(i+1)*b).")
+  return batch
+
+
+def _metrics(rows, num_replicas: int, num_workers: int) -> dict:
+  """Per-step metrics ``[K, ...]`` from the workers' rows ``[R*N, K, 1 + 2J]``.
+
+  The rows leave the compiled step sharded and are copied to every device
+  here, so the step itself holds no collective for its metrics. Replicas hold
+  the same stages, so the norms are read from replica 0.
+  """
+  rows = replicated(rows).reshape((num_replicas, num_workers) + rows.shape[1:])
+  loss = jnp.sum(rows[..., 0], axis=(0, 1)) / (num_replicas * num_workers)
+  grad_sq = jnp.sum(rows[0, :, :, 1:1 + num_workers], axis=0)
+  param_sq = jnp.sum(rows[0, :, :, 1 + num_workers:], axis=0)
+  return {"loss": loss, "grad_norm": jnp.sqrt(jnp.sum(grad_sq, axis=1)),
+          "grad_norm_per_stage": jnp.sqrt(grad_sq),
+          "param_norm": jnp.sqrt(jnp.sum(param_sq, axis=1))}
