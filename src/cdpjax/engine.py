@@ -428,14 +428,15 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
     else:
       view = _worker_view(ages, r.stage_of_leaf, r.delays, axis_name)
     view = jax.tree.unflatten(treedef, view)
-    if sharded:
-      view = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), view)
+    model_state = state.model_state
+    if sharded:  # Gathered in the worker: its gradients (and new model state) come out whole.
+      view, model_state = jax.tree.map(lambda x: jax.sharding.reshard(x, P()),
+                                       (view, model_state))
     if with_model_state:
       (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          view, state.model_state, batch)
+          view, model_state, batch)
     else:
       loss, grads = jax.value_and_grad(loss_fn)(view, batch)
-      model_state = state.model_state
     grads, (loss, model_state) = _reduce_by_stage(
         grads, r.stage_of_leaf, r.num_stages, (loss, model_state), axis_name, r.num_workers)
     current = jax.tree.unflatten(treedef, ages[0])
