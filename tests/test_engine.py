@@ -390,6 +390,13 @@ class TestBadInput:
     with pytest.raises(ValueError, match=">= 0"):
       self.make(rule=-np.ones((4, 2), int))
 
+  def test_axes_inside_a_worker_must_be_explicit(self):
+    devices = np.array(jax.devices()[:8]).reshape(4, 2)
+    with pytest.raises(ValueError, match="inside a worker.*must be Explicit.*jax.make_mesh"):
+      self.make(mesh=jax.sharding.Mesh(devices, ("data", "fsdp")))
+    with pytest.raises(ValueError, match="pmap backend needs a 1-D mesh"):
+      self.make(mesh=jax.make_mesh((4, 2), ("data", "fsdp")), backend="pmap")
+
   def test_unknown_backend(self):
     with pytest.raises(ValueError, match="Unknown backend"):
       self.make(backend="pjit")

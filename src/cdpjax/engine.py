@@ -562,6 +562,12 @@ def make_train_step(
   within = tuple(a for a in mesh.axis_names if a != axis_name)  # Axes inside a worker.
   if within and backend != "shard_map":
     raise ValueError("The pmap backend needs a 1-D mesh; use backend='shard_map' for more axes.")
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if any(types[a] != jax.sharding.AxisType.Explicit for a in within):
+    raise ValueError(
+        f"The axes inside a worker {within} must be Explicit (the state's sharding is typed): "
+        f"build the mesh with jax.make_mesh(shape, names), or pass "
+        "axis_types=(jax.sharding.AxisType.Explicit,) * len(names).")
   body = _body_fn(_one_step_fn(loss_fn, tx, r, axis_name, with_model_state, sharded=bool(within)),
                   scan_steps)
   run, place_state, place_batch = _compile(body, r, mesh, axis_name, within, backend, scan_steps,
