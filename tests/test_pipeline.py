@@ -228,6 +228,8 @@ class TestBadInput:
       self.make(timetable="dp+mp", rule="dp")
     with pytest.raises(ValueError, match="Unknown rule"):
       self.make(rule="cdp-v3")
+    with pytest.raises(ValueError, match="\\('replica', 'stage'\\).*drop or rename \\['fsdp'\\]"):
+      self.make(mesh=jax.make_mesh((2, 2), ("fsdp", "stage")))
 
   def test_state_of_another_rule(self):
     """A dp state (no stale version) stepped with cdp-v2 is refused, naming the fix."""

@@ -59,7 +59,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
-from cdpjax.executed.plan import FWD
+from cdpjax.executed.plan import BWD, FWD
 from cdpjax.executed.staged import StagedModel, vary as _vary
 
 TIMETABLES = ("cyclic", "gpipe", "dp+mp")
@@ -167,9 +167,10 @@ class _Slot(NamedTuple):
 def _branches(staged: StagedModel, axes):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
-  Operands ``(carry, event, stage, x, labels)``; results ``(send, stash, acc,
-  new_state, loss)``. The version is read inside the branch that uses it, so
-  no branch result holds a parameter buffer.
+  Operands ``(carry, event, stage, stashed, x, labels)``; results ``(send,
+  grads, new_state, loss)``, what the event computes (zeros where it computes
+  nothing). The version is read inside the branch that uses it, and no state
+  (versions, stash, accumulators) is a branch result, so no branch copies one.
   """
   def read(carry, event):
     row = (carry.head + event.version) % carry.versions_VxP.shape[0]
@@ -179,23 +180,21 @@ def _branches(staged: StagedModel, axes):
     return _vary(results, axes)
 
   def idle(ops):
-    carry, _, _, _, _ = ops
-    return finish(jnp.zeros_like(carry.recv_A), carry.stash_SxA, carry.acc_P, carry.new_state_M,
-                  jnp.zeros((), jnp.float32))
+    carry = ops[0]
+    return finish(jnp.zeros_like(carry.recv_A), jnp.zeros_like(carry.acc_P),
+                  jnp.zeros_like(carry.new_state_M), jnp.zeros((), jnp.float32))
 
   def forward(ops):
-    carry, event, stage, x, labels = ops
+    carry, event, stage, _, x, labels = ops
     h, loss, new_state = staged.apply(stage, read(carry, event), carry.model_state_M,
                                       carry.recv_A, x, labels)
-    stash = carry.stash_SxA.at[event.stash].set(carry.recv_A)
-    return finish(h, stash, carry.acc_P, carry.new_state_M + new_state, loss)
+    return finish(h, jnp.zeros_like(carry.acc_P), new_state, loss)
 
   def backward(ops):
-    carry, event, stage, x, labels = ops
-    grads, send = staged.vjp(stage, read(carry, event), carry.model_state_M,
-                             carry.stash_SxA[event.stash], x, labels, carry.recv_A)
-    return finish(send, carry.stash_SxA, carry.acc_P + grads, carry.new_state_M,
-                  jnp.zeros((), jnp.float32))
+    carry, event, stage, stashed, x, labels = ops
+    grads, send = staged.vjp(stage, read(carry, event), carry.model_state_M, stashed, x, labels,
+                             carry.recv_A)
+    return finish(send, grads, jnp.zeros_like(carry.new_state_M), jnp.zeros((), jnp.float32))
 
   return [idle, forward, backward]
 
@@ -256,9 +255,9 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     # The mean is replicated over the replicas (as the state is), the new sum varies.
     return total / tt.num_micro, _vary(jnp.zeros_like(total), tt.axes)
 
-  def update(carry: _Slot, step):
+  def update(acc_P, carry: _Slot, step):
     """The stage's optimizer update (and flushed timetables' model-state update)."""
-    grads, new_state = carry.acc_P, carry.new_state_M
+    grads, new_state = acc_P, carry.new_state_M
     if tt.replica_axis:  # One all-reduce per stage and step, where the stage updates.
       grads = jax.lax.psum(grads, tt.replica_axis)
     grads = grads / tt.num_micro
@@ -272,18 +271,24 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
       model_state, new_state = average_state((model_state, new_state))
     return carry._replace(
         versions_VxP=carry.versions_VxP.at[head].set(params), head=head, opt_state=opt_state,
-        model_state_M=model_state, acc_P=_vary(jnp.zeros_like(carry.acc_P), tt.axes),
-        new_state_M=_vary(new_state, tt.axes),
+        model_state_M=model_state, new_state_M=_vary(new_state, tt.axes),
         grad_sq_K=carry.grad_sq_K.at[step].set(_vary(jnp.sum(jnp.square(grads)), tt.axes)),
         param_sq_K=carry.param_sq_K.at[step].set(_vary(jnp.sum(jnp.square(params)), tt.axes)))
 
   def slot_body(carry: _Slot, slot, x_KxMx, labels_KxMxb):
     event = tt.event(slot, delays)
     stage = jax.lax.axis_index(STAGE_AXIS)
-    send, stash, acc, new_state, loss = jax.lax.switch(
-        event.kind, branches,
-        (carry, event, stage, x_KxMx[event.step, event.micro], labels_KxMxb[event.step, event.micro]))
-    carry = carry._replace(stash_SxA=stash, acc_P=acc, new_state_M=new_state,
+    stashed = carry.stash_SxA[event.stash]
+    send, grads, new_state, loss = jax.lax.switch(
+        event.kind, branches, (carry, event, stage, stashed, x_KxMx[event.step, event.micro],
+                               labels_KxMxb[event.step, event.micro]))
+    # In place: a forward stashes its input, a backward adds its weight gradient (the
+    # step's first backward restarts the sum, so the update need not zero it).
+    stash = carry.stash_SxA.at[event.stash].set(
+        jnp.where(event.kind == FWD, carry.recv_A, stashed))
+    first = (event.kind == BWD) & (event.micro == 0)
+    carry = carry._replace(stash_SxA=stash, acc_P=jnp.where(first, 0.0, carry.acc_P) + grads,
+                           new_state_M=carry.new_state_M + new_state,
                            loss_K=carry.loss_K.at[event.step].add(loss))
     if stateful and tt.name == "cyclic":
       # After the stage's N-th forward of the step: every later forward is of step t+1.
@@ -293,7 +298,11 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
           done, average_state, lambda states: states,
           (carry.model_state_M, carry.new_state_M))
       carry = carry._replace(model_state_M=model_state, new_state_M=new_state)
-    carry = jax.lax.cond(event.then_update, lambda c: update(c, event.step), lambda c: c, carry)
+    # The accumulator is an operand, not a result: a result passed through is copied.
+    rest = carry._replace(acc_P=None)
+    rest = jax.lax.cond(event.then_update, lambda acc, c: update(acc, c, event.step),
+                        lambda acc, c: c, carry.acc_P, rest)
+    carry = rest._replace(acc_P=carry.acc_P)
     # The permute of this slot's kind; a cond keeps one copy of the slot's compute.
     recv = jax.lax.cond(first_permute(slot), *[_permute(pairs, tt.axes) for pairs in permutes],
                         send)
