@@ -352,7 +352,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
     tx: an elementwise optax optimizer.
     rule: a name of ``schedule.RULES`` or an ``(N, J)`` delay matrix.
     mesh: axis ``stage`` of ``J`` devices; for ``dp+mp`` also axis ``data`` of
-      ``N`` replicas.
+      ``N`` replicas; for ``R`` replicas of ``cyclic`` or ``gpipe``, axes
+      ``("replica", "stage")`` (``jax.make_mesh((R, J), ("replica", "stage"))``).
     timetable: ``cyclic`` (CDP, ``N = J``), ``gpipe`` or ``dp+mp``; by default
       the rule's (`executor.resolve`): ``gpipe`` for ``dp``, else ``cyclic``.
     scan_steps: if ``K``, one call runs ``K`` steps; batch leaves are then
@@ -362,12 +363,14 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
 
   Returns:
     An ``Executor``. ``step(state, batch)`` takes ``{"image": [N*b, ...],
-    "label": [N*b]}`` (micro-batch ``i`` = rows ``i*b:(i+1)*b``), host arrays
-    or global ``jax.Array``s of any sharding: they are placed replicated on
-    the stage devices (split over ``data`` for dp+mp). Metrics leave the
-    compiled step sharded and are copied to every device after it, so the step
-    itself communicates by collective-permutes only (plus dp+mp's gradient
-    all-reduce).
+    "label": [N*b]}`` (micro-batch ``i`` = rows ``i*b:(i+1)*b``; with ``R``
+    replicas ``[R*N*b, ...]``, replica ``r`` taking rows ``r*N*b:(r+1)*N*b``),
+    host arrays or global ``jax.Array``s of any sharding: they are placed
+    replicated on the stage devices (split over ``data`` for dp+mp, over
+    ``replica`` with replicas). Metrics leave the compiled step sharded and
+    are copied to every device after it, so the step itself communicates by
+    collective-permutes only, plus the gradient all-reduces of dp+mp and of
+    replicas (one per stage and step; with model state, one more for its mean).
   """
   if scan_steps is not None and (int(scan_steps) != scan_steps or scan_steps < 1):
     raise ValueError(f"scan_steps must be a positive int or None, got {scan_steps!r}.")
