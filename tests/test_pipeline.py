@@ -3,6 +3,7 @@ import functools
 import importlib
 import json
 import pathlib
+import re
 import sys
 
 import jax
@@ -164,6 +165,15 @@ def test_only_collective_permutes():
     assert {c.kind for c in found} == {"collective-permute"}
     assert sorted(sorted(c.source_target_pairs) for c in found) == sorted(map(sorted, pairs))
     assert all(c.bytes == act_bytes for c in found)
+
+
+def test_slots_copy_no_parameter_sized_buffer():
+  """Branches return only what an event computes: no version, accumulator or optimizer
+  state passes through a conditional, which would copy it (issue 11)."""
+  size = ref.staged_of("residual_mlp", 2).param_size
+  for rule in ("cdp-v2", "dp"):
+    text = compiled_of("residual_mlp", rule, 2).as_text()
+    assert not re.findall(rf"= f32\[{size}\]\S* copy\(", text)
 
 
 def test_memory_does_not_grow_with_steps():
