@@ -408,7 +408,7 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
   """``one_step(state_in_slots, phase, batch, delays_NxJ) -> (state_in_slots, metrics)``.
 
   ``sharded``: the state is sharded inside each worker, over the mesh's other
-  (automatic) axes. The worker's view is gathered there before the loss reads
+  axes, which the ``shard_map`` leaves to the compiler. The worker's view is gathered there before the loss reads
   it, the reduced gradients are split back, and the new state leaves sharded
   as it came (explicit axes type a scan carry by its sharding).
   """
@@ -456,7 +456,7 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
 
 
 def _resharded_like(x, like):
-  """``x`` with the sharding of ``like`` over the automatic axes (inside ``shard_map``)."""
+  """``x`` with the sharding of ``like`` over the axes inside a worker (in ``shard_map``)."""
   return jax.sharding.reshard(x, jax.typeof(like).sharding.spec)
 
 
@@ -530,7 +530,10 @@ def make_train_step(
       stage no worker reads stale keeps no stale copy), or a
       ``schedule.DelayRule`` whose per-step matrix is an input of the compiled
       step (``D`` selects per leaf; any matrix in ``0..D``, no recompiling).
-    mesh: a mesh with axis ``axis_name`` of size ``N`` (the workers).
+    mesh: a mesh with axis ``axis_name`` of size ``N`` (the workers). Its
+      other axes, if any, are inside a worker: a worker is a group of devices
+      (``jax.make_mesh((N, F), ("data", "fsdp"))``) over which its state is
+      sharded and its rows are split; the numbers are the 1-D mesh's.
     axis_name: the mesh axis of the workers.
     backend: ``"shard_map"`` (primary) or ``"pmap"``; same numbers.
     with_model_state: whether ``loss_fn`` takes and returns a model state.
@@ -614,7 +617,7 @@ def _compile_sharded(body, mesh, axis_name, within, scan_steps, delay_specs, don
   """The step with its state sharded inside each worker, over the axes ``within``.
 
   Only the worker axis is manual in the ``shard_map``; the compiler partitions
-  a worker's step over ``within`` (automatic axes), so any optax optimizer (a
+  a worker's step over ``within`` (Explicit mesh axes), so any optax optimizer (a
   global-norm clip included) and any loss run as written, and the state keeps
   the 1-D engine's pytree. A worker's gradients are summed inside it by the
   compiler, then reduced over the workers by one ``psum`` per stage as on a
