@@ -1,7 +1,9 @@
 """Multi-process runs with real processes on 127.0.0.1: 2 processes x 4 CPU devices (gloo).
 
 ``parallelism=data`` (8 devices) and the executed schedules ``model`` and
-``zero`` (4 devices, N = J = 4) give the per-step losses of one process.
+``zero`` (4 devices, N = J = 4) give the per-step losses of one process; so do
+the 2-D meshes (the replicated pipeline, the engine with sharded workers), run
+by tests/multihost_2d.py.
 
 Each launched process is bounded by a timeout and killed if a test fails.
 """
@@ -17,6 +19,7 @@ import sys
 import time
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 
 from cdpjax import config as config_lib
@@ -235,6 +238,33 @@ def test_executed_modes_on_two_processes_match_one_process(parallelism, executed
   print(f"{parallelism}: max |loss(2 processes) - loss(1)| = {difference:.3g} over 2 steps and "
         "1 evaluation")
   assert difference < TOLERANCE
+
+
+def test_two_dimensional_meshes_on_two_processes_match_one_process(tmp_path):
+  """The replicated pipeline (replica, stage) and the engine with 2-device workers (data,
+  fsdp), both 4 x 2, stepped by tests/multihost_2d.py on 2 processes x 4 devices."""
+  import multihost_2d  # pylint: disable=g-import-not-at-top
+  port = free_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  outs = [tmp_path / f"process{i}.json" for i in range(2)]
+  with contextlib.ExitStack() as stack:
+    procs = []
+    for i, out in enumerate(outs):
+      log = stack.enter_context(open(tmp_path / f"process{i}.log", "w"))
+      procs.append(subprocess.Popen(
+          [sys.executable, multihost_2d.__file__, str(out), f"127.0.0.1:{port}", "2", str(i)],
+          cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+      stack.callback(lambda p=procs[-1]: p.poll() is None and (p.kill(), p.wait()))
+    reference = multihost_2d.run()  # Meanwhile, on this process's 8 devices.
+    codes = [p.wait(timeout=RUN_TIMEOUT_S) for p in procs]
+  assert codes == [0, 0], (tmp_path / "process0.log").read_text()[-3000:]
+  for out in outs:
+    got = json.loads(out.read_text())
+    assert set(got) == set(reference)
+    for key in reference:
+      np.testing.assert_allclose(np.asarray(got[key], dtype=float),
+                                 np.asarray(reference[key], dtype=float), rtol=TOLERANCE,
+                                 atol=1e-6, err_msg=key)
 
 
 class TestWhenToJoin:

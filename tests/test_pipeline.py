@@ -3,14 +3,15 @@ import functools
 import importlib
 import json
 import pathlib
+import re
 import sys
 
 import jax
 import numpy as np
 import pytest
 
-from cdpjax import compiled, schedule
-from cdpjax.executed import pipeline, plan
+from cdpjax import compiled, executor, schedule
+from cdpjax.executed import pipeline, plan, staged
 
 import executed_reference as ref
 
@@ -18,10 +19,17 @@ STEPS_PER_CALL = 2
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 
 
+REPLICAS = 2  # Of the pipeline on a (replica, stage) mesh.
+
+
 @functools.cache
-def executor_of(name, rule, num_stages, timetable=None, scan_steps=STEPS_PER_CALL):
-  mesh = (jax.make_mesh((num_stages, num_stages), ("data", "stage")) if timetable == "dp+mp"
-          else jax.make_mesh((num_stages,), ("stage",)))
+def executor_of(name, rule, num_stages, timetable=None, scan_steps=STEPS_PER_CALL, replicas=1):
+  if timetable == "dp+mp":
+    mesh = jax.make_mesh((num_stages, num_stages), ("data", "stage"))
+  elif replicas > 1:
+    mesh = jax.make_mesh((replicas, num_stages), ("replica", "stage"))
+  else:
+    mesh = jax.make_mesh((num_stages,), ("stage",))
   return pipeline.make_train_step(ref.staged_of(name, num_stages), ref.make_tx(name), rule=rule,
                                   mesh=mesh, timetable=timetable, scan_steps=scan_steps)
 
@@ -32,11 +40,11 @@ def initial_state(ex, name, num_stages):
 
 
 @functools.cache
-def pipeline_run(name, rule, num_stages, timetable=None):
+def pipeline_run(name, rule, num_stages, timetable=None, replicas=1):
   """Per-step metrics and final variables over NUM_STEPS steps, STEPS_PER_CALL per call."""
-  ex = executor_of(name, rule, num_stages, timetable)
+  ex = executor_of(name, rule, num_stages, timetable, replicas=replicas)
   state = initial_state(ex, name, num_stages)
-  data, metrics = ref.batches(name, num_stages), []
+  data, metrics = ref.batches(name, replicas * num_stages), []
   for c in range(ref.NUM_STEPS // STEPS_PER_CALL):
     part = jax.tree.map(lambda x: x[c * STEPS_PER_CALL:(c + 1) * STEPS_PER_CALL], data)
     state, m = ex.step(state, part)
@@ -53,17 +61,63 @@ def test_residual_mlp_matches_engine():
   ref.assert_matches_engine(metrics, variables, "residual_mlp", "cdp-v2", 2)
 
 
-def test_resnet18_with_batchnorm_matches_engine():
-  """Heterogeneous stages (cut by FLOPs), BatchNorm statistics averaged as the engine does."""
-  metrics, variables, _ = pipeline_run("resnet18", "cdp-v2", 2)
-  assert set(variables) == {"params", "batch_stats"}
-  ref.assert_matches_engine(metrics, variables, "resnet18", "cdp-v2", 2)
-
-
 def test_dp_plus_mp_matches_engine_dp():
   """N = J = 2 replicas of 2 stages: 4 devices, the engine's dp numbers."""
   metrics, variables, _ = pipeline_run("residual_mlp", "dp", 2, "dp+mp")
   ref.assert_matches_engine(metrics, variables, "residual_mlp", "dp", 2)
+
+
+@functools.cache
+def tiled_engine_run(name, rule, num_stages, replicas):
+  """The engine with ``R*J`` workers whose delay matrix is the rule's ``(J, J)`` tiled ``R`` times."""
+  model, params, model_state, stage_ids = ref.model_of(name, num_stages)
+  delays = np.tile(schedule.resolve(rule, num_stages, num_stages), (replicas, 1))
+  ex = executor.engine_executor(
+      model, ref.make_tx(name), stage_ids=stage_ids, rule=delays,
+      mesh=jax.make_mesh((replicas * num_stages,), ("data",)), loss_fn=staged.cross_entropy,
+      with_model_state=model_state is not None)
+  state = ex.init(params, model_state)
+  data, metrics = ref.batches(name, replicas * num_stages), []
+  for k in range(ref.NUM_STEPS):
+    state, m = ex.step(state, ref.step_batch(data, k))
+    metrics.append(jax.tree.map(np.asarray, m))
+  return metrics, jax.tree.map(np.asarray, ex.variables(state))
+
+
+@pytest.mark.parametrize("name, rule", [
+    ("residual_mlp", "dp"), ("residual_mlp", "cdp-v1"), ("residual_mlp", "cdp-v2"),
+    ("resnet18", "cdp-v2")])
+def test_replicas_match_the_engine_with_tiled_delays(name, rule):
+  """R = 2 pipelines of J = 2 stages on a (replica, stage) mesh, K-step calls: the engine with
+  R*J workers and the delay matrix tiled R times.
+
+  The ResNet has heterogeneous stages (cut by FLOPs) and BatchNorm statistics averaged over
+  all R*J micro-batches, as the engine averages them; one pipeline (R = 1) runs the same
+  program less the all-reduces over ``replica``.
+  """
+  metrics, variables, plan_ = pipeline_run(name, rule, 2, replicas=REPLICAS)
+  assert plan_.timetable == ("gpipe" if rule == "dp" else "cyclic")
+  if name == "resnet18":
+    assert set(variables) == {"params", "batch_stats"}
+  ref_metrics, ref_variables = tiled_engine_run(name, rule, 2, REPLICAS)
+  assert len(metrics) == len(ref_metrics)
+  for k, (got, want) in enumerate(zip(metrics, ref_metrics)):
+    assert set(got) == set(want)
+    for key in want:
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"step {k} {key}")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               variables, ref_variables)
+
+
+def test_replicas_reduce_each_stage_once_per_step():
+  """One all-reduce over the replicas, in the branch of the slot where a device updates its
+  stage (once per step); activations and cotangents move by collective-permutes only (at
+  J = 2 one swap: the odd slots' pair list is empty)."""
+  ex = executor_of("residual_mlp", "cdp-v2", 2, replicas=REPLICAS)
+  batch = ref.batches("residual_mlp", REPLICAS * 2, num_steps=STEPS_PER_CALL)
+  counts = compiled.stablehlo_collectives(
+      ex.lower(initial_state(ex, "residual_mlp", 2), batch).as_text())
+  assert {k: n for k, n in counts.items() if n} == {"all-reduce": 1, "collective-permute": 1}
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 8])
@@ -111,6 +165,15 @@ def test_only_collective_permutes():
     assert {c.kind for c in found} == {"collective-permute"}
     assert sorted(sorted(c.source_target_pairs) for c in found) == sorted(map(sorted, pairs))
     assert all(c.bytes == act_bytes for c in found)
+
+
+def test_slots_copy_no_parameter_sized_buffer():
+  """Branches return only what an event computes: no version, accumulator or optimizer
+  state passes through a conditional, which would copy it (issue 11)."""
+  size = ref.staged_of("residual_mlp", 2).param_size
+  for rule in ("cdp-v2", "dp"):
+    text = compiled_of("residual_mlp", rule, 2).as_text()
+    assert not re.findall(rf"= f32\[{size}\]\S* copy\(", text)
 
 
 def test_memory_does_not_grow_with_steps():
@@ -175,6 +238,8 @@ class TestBadInput:
       self.make(timetable="dp+mp", rule="dp")
     with pytest.raises(ValueError, match="Unknown rule"):
       self.make(rule="cdp-v3")
+    with pytest.raises(ValueError, match="\\('replica', 'stage'\\).*drop or rename \\['fsdp'\\]"):
+      self.make(mesh=jax.make_mesh((2, 2), ("fsdp", "stage")))
 
   def test_state_of_another_rule(self):
     """A dp state (no stale version) stepped with cdp-v2 is refused, naming the fix."""

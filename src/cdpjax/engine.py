@@ -403,11 +403,24 @@ def _resolve_rule(rule, stage_ids, num_workers: int, rotate: bool) -> _Rule:
                _Slots(depths, rotate))
 
 
-def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool):
-  """``one_step(state_in_slots, phase, batch, delays_NxJ) -> (state_in_slots, metrics)``."""
+def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
+                 sharded: bool = False):
+  """``one_step(state_in_slots, phase, batch, delays_NxJ) -> (state_in_slots, metrics)``.
+
+  ``sharded``: the state is sharded inside each worker, over the mesh's other
+  axes, which the ``shard_map`` leaves to the compiler. The worker's view is gathered there before the loss reads
+  it, the reduced gradients are split back, and the new state leaves sharded
+  as it came (explicit axes type a scan carry by its sharding).
+  """
   slots_of = r.slots
 
   def one_step(state: CyclicState, phase: int, batch, want_norms, delays_NxJ=None):
+    if not sharded:
+      return step_of(state, phase, batch, want_norms, delays_NxJ)
+    new_state, metrics = step_of(state, phase, batch, want_norms, delays_NxJ)
+    return jax.tree.map(_resharded_like, new_state, state), metrics
+
+  def step_of(state: CyclicState, phase: int, batch, want_norms, delays_NxJ=None):
     treedef = jax.tree.structure(state.params, is_leaf=_is_none)
     ages = slots_of.ages(_version_leaves(state), phase)
     if r.dynamic:
@@ -415,15 +428,20 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool):
     else:
       view = _worker_view(ages, r.stage_of_leaf, r.delays, axis_name)
     view = jax.tree.unflatten(treedef, view)
+    model_state = state.model_state
+    if sharded:  # Gathered in the worker: its gradients (and new model state) come out whole.
+      view, model_state = jax.tree.map(lambda x: jax.sharding.reshard(x, P()),
+                                       (view, model_state))
     if with_model_state:
       (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          view, state.model_state, batch)
+          view, model_state, batch)
     else:
       loss, grads = jax.value_and_grad(loss_fn)(view, batch)
-      model_state = state.model_state
     grads, (loss, model_state) = _reduce_by_stage(
         grads, r.stage_of_leaf, r.num_stages, (loss, model_state), axis_name, r.num_workers)
     current = jax.tree.unflatten(treedef, ages[0])
+    if sharded:
+      grads = jax.tree.map(_resharded_like, grads, current)
     updates, opt_state = tx.update(grads, state.opt_state, current)
     params = optax.apply_updates(current, updates)
     metrics = {"loss": loss, **_norms(want_norms, grads, params, r.stage_of_leaf, r.num_stages)}
@@ -435,6 +453,11 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool):
     return state, metrics
 
   return one_step
+
+
+def _resharded_like(x, like):
+  """``x`` with the sharding of ``like`` over the axes inside a worker (in ``shard_map``)."""
+  return jax.sharding.reshard(x, jax.typeof(like).sharding.spec)
 
 
 def _body_fn(one_step, scan_steps: int | None):
@@ -507,7 +530,10 @@ def make_train_step(
       stage no worker reads stale keeps no stale copy), or a
       ``schedule.DelayRule`` whose per-step matrix is an input of the compiled
       step (``D`` selects per leaf; any matrix in ``0..D``, no recompiling).
-    mesh: a mesh with axis ``axis_name`` of size ``N`` (the workers).
+    mesh: a mesh with axis ``axis_name`` of size ``N`` (the workers). Its
+      other axes, if any, are inside a worker: a worker is a group of devices
+      (``jax.make_mesh((N, F), ("data", "fsdp"))``) over which its state is
+      sharded and its rows are split; the numbers are the 1-D mesh's.
     axis_name: the mesh axis of the workers.
     backend: ``"shard_map"`` (primary) or ``"pmap"``; same numbers.
     with_model_state: whether ``loss_fn`` takes and returns a model state.
@@ -536,11 +562,21 @@ def make_train_step(
   # (XLA copies them); a group of D + 1 unrolled steps would rotate back but
   # raised the CPU peak by a parameter copy (measured), more than the copies.
   r = _resolve_rule(rule, stage_ids, int(mesh.shape[axis_name]), rotate=scan_steps is None)
-  body = _body_fn(_one_step_fn(loss_fn, tx, r, axis_name, with_model_state), scan_steps)
-  run, replicated, batch_sharding = _compile(body, r, mesh, axis_name, backend, scan_steps,
-                                             donate)
-  prepare = _prepare_fn(r, jax.tree.structure(stage_ids), scan_steps, backend, replicated,
-                        batch_sharding)
+  within = tuple(a for a in mesh.axis_names if a != axis_name)  # Axes inside a worker.
+  if within and backend != "shard_map":
+    raise ValueError("The pmap backend needs a 1-D mesh; use backend='shard_map' for more axes.")
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if any(types[a] != jax.sharding.AxisType.Explicit for a in within):
+    raise ValueError(
+        f"The axes inside a worker {within} must be Explicit (the state's sharding is typed): "
+        f"build the mesh with jax.make_mesh(shape, names), or pass "
+        "axis_types=(jax.sharding.AxisType.Explicit,) * len(names).")
+  body = _body_fn(_one_step_fn(loss_fn, tx, r, axis_name, with_model_state, sharded=bool(within)),
+                  scan_steps)
+  run, place_state, place_batch = _compile(body, r, mesh, axis_name, within, backend, scan_steps,
+                                           donate)
+  prepare = _prepare_fn(r, jax.tree.structure(stage_ids), scan_steps, backend, place_state,
+                        place_batch)
   count = scan_steps or 1
 
   def finish(state, metrics):
@@ -551,10 +587,13 @@ def make_train_step(
                    rule=rule if r.dynamic else None, scan_steps=scan_steps)
 
 
-def _compile(body, r: _Rule, mesh, axis_name, backend, scan_steps, donate):
-  """The jitted (or pmapped) program, and the shardings its inputs need (None for pmap)."""
+def _compile(body, r: _Rule, mesh, axis_name, within, backend, scan_steps, donate):
+  """The jitted (or pmapped) program, and functions that place its state and batch."""
   donate_argnums = (0,) if donate else ()
   delay_specs = (P(),) if r.dynamic else ()
+  if backend == "shard_map" and within:
+    return _compile_sharded(body, mesh, axis_name, within, scan_steps, delay_specs,
+                            donate_argnums)
   if backend == "shard_map":
     batch_spec = P(axis_name) if scan_steps is None else P(None, axis_name)
     replicated = NamedSharding(mesh, P())
@@ -565,16 +604,54 @@ def _compile(body, r: _Rule, mesh, axis_name, backend, scan_steps, donate):
         jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec, P()) + delay_specs,
                       out_specs=(P(), P())),
         out_shardings=(replicated, replicated), donate_argnums=donate_argnums)
-    return run, replicated, NamedSharding(mesh, batch_spec)
-  if len(mesh.axis_names) != 1:
-    raise ValueError("The pmap backend needs a 1-D mesh; use backend='shard_map' for more axes.")
+    batch_sharding = NamedSharding(mesh, batch_spec)
+    return (run, lambda state: _placed(state, replicated),
+            lambda batch: _placed(batch, batch_sharding))
   run = jax.pmap(body, axis_name, in_axes=(None, 0, None) + (None,) * len(delay_specs),
                  out_axes=None,
                  devices=list(mesh.devices.flat), donate_argnums=donate_argnums)
   return run, None, None
 
 
-def _prepare_fn(r: _Rule, ids_def, scan_steps, backend, replicated, batch_sharding):
+def _compile_sharded(body, mesh, axis_name, within, scan_steps, delay_specs, donate_argnums):
+  """The step with its state sharded inside each worker, over the axes ``within``.
+
+  Only the worker axis is manual in the ``shard_map``; the compiler partitions
+  a worker's step over ``within`` (Explicit mesh axes), so any optax optimizer (a
+  global-norm clip included) and any loss run as written, and the state keeps
+  the 1-D engine's pytree. A worker's gradients are summed inside it by the
+  compiler, then reduced over the workers by one ``psum`` per stage as on a
+  1-D mesh. Every state leaf is split along its first dimension that
+  ``within`` divides (replicated if none does); a worker's rows are split over
+  ``within`` where they divide.
+  """
+  size = int(np.prod([mesh.shape[a] for a in within], dtype=int))
+  split = within if len(within) > 1 else within[0]
+  lead = (None,) * (0 if scan_steps is None else 1)
+  rows_per_split = int(mesh.shape[axis_name]) * size
+
+  def state_spec(shape):
+    for k, n in enumerate(shape):
+      if n and n % size == 0:
+        return P(*(None,) * k, split)
+    return P()
+
+  def batch_spec(shape):  # Worker i's rows i*b:(i+1)*b, split inside the worker.
+    if shape[len(lead)] % rows_per_split == 0:
+      return P(*lead, (axis_name,) + within)
+    return P(*lead, axis_name)
+
+  def place(tree, spec_of):
+    return jax.tree.map(lambda x: _placed(x, NamedSharding(mesh, spec_of(jnp.shape(x)))), tree)
+
+  run = jax.jit(
+      jax.shard_map(body, mesh=mesh, in_specs=(P(), P(*lead, axis_name), P()) + delay_specs,
+                    out_specs=(P(), P()), axis_names={axis_name}),
+      donate_argnums=donate_argnums)
+  return run, lambda state: place(state, state_spec), lambda batch: place(batch, batch_spec)
+
+
+def _prepare_fn(r: _Rule, ids_def, scan_steps, backend, place_state, place_batch):
   """Checks and places ``(state, batch, *delays)`` for the program."""
   batch_axis = 0 if scan_steps is None else 1
 
@@ -608,7 +685,7 @@ def _prepare_fn(r: _Rule, ids_def, scan_steps, backend, replicated, batch_shardi
           f"Batch size {size} is not divisible by the {r.num_workers} workers: use a global "
           f"batch of num_workers * per_worker_batch rows (worker i gets rows i*b:(i+1)*b).")
     if backend == "shard_map":
-      return (_placed(state, replicated), _placed(batch, batch_sharding), want, *delays_arg)
+      return (place_state(state), place_batch(batch), want, *delays_arg)
     b = size // r.num_workers
 
     def split(x):  # [.., N*b, ..] -> [N, .., b, ..]: the pmap axis leads.

@@ -23,6 +23,15 @@ Timetables (``N`` micro-batches of ``b`` rows per step, ``K`` steps per call):
 - ``dp+mp``: ``N`` replicas (mesh axis ``data``) of ``J`` stages, one
   micro-batch each, gradients all-reduced over ``data``.
 
+Replicated (a pod's 2-D mesh ``(replica, stage)``, ``R x J`` devices): ``R``
+copies of the ``cyclic`` or ``gpipe`` pipeline run side by side, each on its
+own ``N*b`` rows of an ``[R*N*b, ...]`` batch (replica-major). Each stage's
+gradient sum is all-reduced over ``replica`` with one ``psum`` at the slot
+where that stage updates, so replica ``r``'s micro-batch ``i`` is worker
+``r*N + i`` of the engine with the delay matrix tiled ``R`` times
+(``np.tile(d, (R, 1))``); model states are averaged over all ``R*N``
+micro-batches (one more ``psum`` per stage and step, where they are averaged).
+
 Model state: each forward computes the stage's new statistics from the
 stage's statistics of step ``t``; their mean over the step's ``N`` micro-batches
 becomes the statistics of step ``t+1``, as the engine averages them. On the
@@ -50,12 +59,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
-from cdpjax.executed.plan import FWD
+from cdpjax.executed.plan import BWD, FWD
 from cdpjax.executed.staged import StagedModel, vary as _vary
 
 TIMETABLES = ("cyclic", "gpipe", "dp+mp")
 STAGE_AXIS = "stage"
 DATA_AXIS = "data"
+REPLICA_AXIS = "replica"
 
 
 class StagedState(NamedTuple):
@@ -157,9 +167,10 @@ class _Slot(NamedTuple):
 def _branches(staged: StagedModel, axes):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
-  Operands ``(carry, event, stage, x, labels)``; results ``(send, stash, acc,
-  new_state, loss)``. The version is read inside the branch that uses it, so
-  no branch result holds a parameter buffer.
+  Operands ``(carry, event, stage, stashed, x, labels)``; results ``(send,
+  grads, new_state, loss)``, what the event computes (zeros where it computes
+  nothing). The version is read inside the branch that uses it, and no state
+  (versions, stash, accumulators) is a branch result, so no branch copies one.
   """
   def read(carry, event):
     row = (carry.head + event.version) % carry.versions_VxP.shape[0]
@@ -169,23 +180,21 @@ def _branches(staged: StagedModel, axes):
     return _vary(results, axes)
 
   def idle(ops):
-    carry, _, _, _, _ = ops
-    return finish(jnp.zeros_like(carry.recv_A), carry.stash_SxA, carry.acc_P, carry.new_state_M,
-                  jnp.zeros((), jnp.float32))
+    carry = ops[0]
+    return finish(jnp.zeros_like(carry.recv_A), jnp.zeros_like(carry.acc_P),
+                  jnp.zeros_like(carry.new_state_M), jnp.zeros((), jnp.float32))
 
   def forward(ops):
-    carry, event, stage, x, labels = ops
+    carry, event, stage, _, x, labels = ops
     h, loss, new_state = staged.apply(stage, read(carry, event), carry.model_state_M,
                                       carry.recv_A, x, labels)
-    stash = carry.stash_SxA.at[event.stash].set(carry.recv_A)
-    return finish(h, stash, carry.acc_P, carry.new_state_M + new_state, loss)
+    return finish(h, jnp.zeros_like(carry.acc_P), new_state, loss)
 
   def backward(ops):
-    carry, event, stage, x, labels = ops
-    grads, send = staged.vjp(stage, read(carry, event), carry.model_state_M,
-                             carry.stash_SxA[event.stash], x, labels, carry.recv_A)
-    return finish(send, carry.stash_SxA, carry.acc_P + grads, carry.new_state_M,
-                  jnp.zeros((), jnp.float32))
+    carry, event, stage, stashed, x, labels = ops
+    grads, send = staged.vjp(stage, read(carry, event), carry.model_state_M, stashed, x, labels,
+                             carry.recv_A)
+    return finish(send, grads, jnp.zeros_like(carry.new_state_M), jnp.zeros((), jnp.float32))
 
   return [idle, forward, backward]
 
@@ -193,11 +202,16 @@ def _branches(staged: StagedModel, axes):
 class _Timetable(NamedTuple):
   """Static facts of one timetable on one mesh."""
   name: str
-  axes: tuple
+  axes: tuple       # (STAGE_AXIS,), or (replica axis, STAGE_AXIS).
   num_stages: int
-  num_micro: int    # N: micro-batches per step.
+  num_micro: int    # Micro-batches per step over all replicas.
   per_replica: int  # Micro-batches per pipeline (1 for dp+mp).
   num_steps: int    # K.
+
+  @property
+  def replica_axis(self) -> str | None:
+    """The axis gradients and model states are summed over (``data`` for dp+mp)."""
+    return self.axes[0] if len(self.axes) == 2 else None
 
   @property
   def per_step(self) -> int:  # GPipe's slots per step.
@@ -233,11 +247,19 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
   permutes, first_permute = tt.permutes()
   stateful = staged.state_size > 0
 
-  def update(carry: _Slot, step):
+  def average_state(states):
+    """``(model_state, new_state_sum)`` -> (their mean over the step's micro-batches, zeros)."""
+    _, total = states
+    if tt.replica_axis:
+      total = jax.lax.psum(total, tt.replica_axis)
+    # The mean is replicated over the replicas (as the state is), the new sum varies.
+    return total / tt.num_micro, _vary(jnp.zeros_like(total), tt.axes)
+
+  def update(acc_P, carry: _Slot, step):
     """The stage's optimizer update (and flushed timetables' model-state update)."""
-    grads, new_state = carry.acc_P, carry.new_state_M
-    if tt.name == "dp+mp":
-      grads = jax.lax.psum(grads, DATA_AXIS)
+    grads, new_state = acc_P, carry.new_state_M
+    if tt.replica_axis:  # One all-reduce per stage and step, where the stage updates.
+      grads = jax.lax.psum(grads, tt.replica_axis)
     grads = grads / tt.num_micro
     num_versions = carry.versions_VxP.shape[0]
     params = carry.versions_VxP[carry.head]
@@ -246,32 +268,41 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     head = (carry.head - 1) % num_versions  # The oldest version's row takes theta_{t+1}.
     model_state = carry.model_state_M
     if stateful and tt.name != "cyclic":
-      if tt.name == "dp+mp":
-        new_state = jax.lax.psum(new_state, DATA_AXIS)
-      model_state = new_state / tt.num_micro
-      new_state = jnp.zeros_like(new_state)
+      model_state, new_state = average_state((model_state, new_state))
     return carry._replace(
         versions_VxP=carry.versions_VxP.at[head].set(params), head=head, opt_state=opt_state,
-        model_state_M=model_state, acc_P=_vary(jnp.zeros_like(carry.acc_P), tt.axes),
-        new_state_M=_vary(new_state, tt.axes),
+        model_state_M=model_state, new_state_M=_vary(new_state, tt.axes),
         grad_sq_K=carry.grad_sq_K.at[step].set(_vary(jnp.sum(jnp.square(grads)), tt.axes)),
         param_sq_K=carry.param_sq_K.at[step].set(_vary(jnp.sum(jnp.square(params)), tt.axes)))
 
   def slot_body(carry: _Slot, slot, x_KxMx, labels_KxMxb):
     event = tt.event(slot, delays)
     stage = jax.lax.axis_index(STAGE_AXIS)
-    send, stash, acc, new_state, loss = jax.lax.switch(
-        event.kind, branches,
-        (carry, event, stage, x_KxMx[event.step, event.micro], labels_KxMxb[event.step, event.micro]))
-    carry = carry._replace(stash_SxA=stash, acc_P=acc, new_state_M=new_state,
+    stashed = carry.stash_SxA[event.stash]
+    send, grads, new_state, loss = jax.lax.switch(
+        event.kind, branches, (carry, event, stage, stashed, x_KxMx[event.step, event.micro],
+                               labels_KxMxb[event.step, event.micro]))
+    # In place: a forward stashes its input, a backward adds its weight gradient (the
+    # step's first backward restarts the sum, so the update need not zero it).
+    stash = carry.stash_SxA.at[event.stash].set(
+        jnp.where(event.kind == FWD, carry.recv_A, stashed))
+    first = (event.kind == BWD) & (event.micro == 0)
+    carry = carry._replace(stash_SxA=stash, acc_P=jnp.where(first, 0.0, carry.acc_P) + grads,
+                           new_state_M=carry.new_state_M + new_state,
                            loss_K=carry.loss_K.at[event.step].add(loss))
     if stateful and tt.name == "cyclic":
       # After the stage's N-th forward of the step: every later forward is of step t+1.
-      done = (event.kind == FWD) & (event.micro == tt.num_micro - 1)
-      carry = carry._replace(
-          model_state_M=jnp.where(done, carry.new_state_M / tt.num_micro, carry.model_state_M),
-          new_state_M=jnp.where(done, jnp.zeros_like(carry.new_state_M), carry.new_state_M))
-    carry = jax.lax.cond(event.then_update, lambda c: update(c, event.step), lambda c: c, carry)
+      # A cond, not a select: with replicas it holds the model state's all-reduce.
+      done = (event.kind == FWD) & (event.micro == tt.per_replica - 1)
+      model_state, new_state = jax.lax.cond(
+          done, average_state, lambda states: states,
+          (carry.model_state_M, carry.new_state_M))
+      carry = carry._replace(model_state_M=model_state, new_state_M=new_state)
+    # The accumulator is an operand, not a result: a result passed through is copied.
+    rest = carry._replace(acc_P=None)
+    rest = jax.lax.cond(event.then_update, lambda acc, c: update(acc, c, event.step),
+                        lambda acc, c: c, carry.acc_P, rest)
+    carry = rest._replace(acc_P=carry.acc_P)
     # The permute of this slot's kind; a cond keeps one copy of the slot's compute.
     recv = jax.lax.cond(first_permute(slot), *[_permute(pairs, tt.axes) for pairs in permutes],
                         send)
@@ -321,7 +352,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
     tx: an elementwise optax optimizer.
     rule: a name of ``schedule.RULES`` or an ``(N, J)`` delay matrix.
     mesh: axis ``stage`` of ``J`` devices; for ``dp+mp`` also axis ``data`` of
-      ``N`` replicas.
+      ``N`` replicas; for ``R`` replicas of ``cyclic`` or ``gpipe``, axes
+      ``("replica", "stage")`` (``jax.make_mesh((R, J), ("replica", "stage"))``).
     timetable: ``cyclic`` (CDP, ``N = J``), ``gpipe`` or ``dp+mp``; by default
       the rule's (`executor.resolve`): ``gpipe`` for ``dp``, else ``cyclic``.
     scan_steps: if ``K``, one call runs ``K`` steps; batch leaves are then
@@ -331,12 +363,14 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
 
   Returns:
     An ``Executor``. ``step(state, batch)`` takes ``{"image": [N*b, ...],
-    "label": [N*b]}`` (micro-batch ``i`` = rows ``i*b:(i+1)*b``), host arrays
-    or global ``jax.Array``s of any sharding: they are placed replicated on
-    the stage devices (split over ``data`` for dp+mp). Metrics leave the
-    compiled step sharded and are copied to every device after it, so the step
-    itself communicates by collective-permutes only (plus dp+mp's gradient
-    all-reduce).
+    "label": [N*b]}`` (micro-batch ``i`` = rows ``i*b:(i+1)*b``; with ``R``
+    replicas ``[R*N*b, ...]``, replica ``r`` taking rows ``r*N*b:(r+1)*N*b``),
+    host arrays or global ``jax.Array``s of any sharding: they are placed
+    replicated on the stage devices (split over ``data`` for dp+mp, over
+    ``replica`` with replicas). Metrics leave the compiled step sharded and
+    are copied to every device after it, so the step itself communicates by
+    collective-permutes only, plus the gradient all-reduces of dp+mp and of
+    replicas (one per stage and step; with model state, one more for its mean).
   """
   if scan_steps is not None and (int(scan_steps) != scan_steps or scan_steps < 1):
     raise ValueError(f"scan_steps must be a positive int or None, got {scan_steps!r}.")
@@ -344,21 +378,13 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
   if staged.num_stages != num_stages:
     raise ValueError(f"The model is cut into {staged.num_stages} stages, the mesh axis "
                      f"{STAGE_AXIS!r} has {num_stages} devices: use as many stages as devices.")
-  if timetable == "dp+mp":
-    if DATA_AXIS not in mesh.axis_names:
-      raise ValueError(f"dp+mp needs a mesh with axes ({DATA_AXIS!r}, {STAGE_AXIS!r}), got "
-                       f"{tuple(mesh.axis_names)}: jax.make_mesh((N, J), ('data', 'stage')).")
-    num_micro, per_replica, axes = int(mesh.shape[DATA_AXIS]), 1, (DATA_AXIS, STAGE_AXIS)
-  else:
-    num_micro = num_stages if num_micro_batches is None else int(num_micro_batches)
-    per_replica, axes = num_micro, (STAGE_AXIS,)
-  if num_micro < 1:
-    raise ValueError(f"num_micro_batches must be >= 1, got {num_micro}.")
-  plan = _resolve(rule, timetable, num_micro, num_stages)
+  axes, per_replica, num_rows = _layout(mesh, timetable, num_stages, num_micro_batches)
+  plan = _resolve(rule, timetable, num_rows, num_stages)
+  num_micro = int(np.prod([mesh.shape[a] for a in axes[:-1]], dtype=int)) * per_replica
   tt = _Timetable(plan.timetable, axes, num_stages, num_micro, per_replica, scan_steps or 1)
   body = _make_body(staged, tx, plan.delays, tt)
   state_spec = StagedState(P(), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS))
-  batch_spec = P(None, DATA_AXIS) if tt.name == "dp+mp" else P()
+  batch_spec = P(None, tt.replica_axis) if tt.replica_axis else P()
   run = jax.jit(
       jax.shard_map(body, mesh=mesh, in_specs=(state_spec, batch_spec),
                     out_specs=(state_spec, P(*axes))),
@@ -380,16 +406,18 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
       raise ValueError(f"label must have shape [N*b, ...] matching image rows {rows}; got "
                        f"{batch['label'].shape}.")
     if rows % num_micro or rows == 0:
-      raise ValueError(f"Batch size {rows} is not divisible by the N={num_micro} micro-batches: "
-                       "use N * b rows (micro-batch i = rows i*b:(i+1)*b).")
+      replicas = (f" ({num_micro // per_replica} replicas x {per_replica}, replica-major)"
+                  if tt.replica_axis == REPLICA_AXIS else "")
+      raise ValueError(f"Batch size {rows} is not divisible by the N={num_micro} micro-batches"
+                       f"{replicas}: use N * b rows (micro-batch i = rows i*b:(i+1)*b).")
     state = jax.device_put(state, _state_sharding(mesh, state))
     return state, jax.device_put(batch, NamedSharding(mesh, batch_spec))
 
   def finish(raw):
-    # Per device [J, K], or [N, J, K] for dp+mp; replicated outside the step, so the
-    # step itself holds no collective for its metrics.
+    # Per device [J, K], or [R, J, K] with replicas; replicated outside the step, so
+    # the step itself holds no collective for its metrics.
     loss, grad_sq, param_sq = jax.tree.map(replicated, raw)
-    if tt.name == "dp+mp":
+    if tt.replica_axis:
       loss, grad_sq, param_sq = jnp.sum(loss[:, -1], axis=0), grad_sq[0], param_sq[0]
     else:
       loss = loss[-1]
@@ -408,6 +436,28 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
                                                        model_state=model_state),
       step=step, variables=lambda state: variables(state, staged),
       lower=lambda state, batch: run.lower(*prepare(state, batch)), plan=plan)
+
+
+def _layout(mesh: Mesh, timetable, num_stages: int, num_micro_batches):
+  """``(axes, micro-batches per pipeline, rows of the delay matrix)`` of ``timetable`` on ``mesh``."""
+  if timetable == "dp+mp":
+    if DATA_AXIS not in mesh.axis_names:
+      raise ValueError(f"dp+mp needs a mesh with axes ({DATA_AXIS!r}, {STAGE_AXIS!r}), got "
+                       f"{tuple(mesh.axis_names)}: jax.make_mesh((N, J), ('data', 'stage')).")
+    axes, per_replica, num_rows = (DATA_AXIS, STAGE_AXIS), 1, int(mesh.shape[DATA_AXIS])
+  else:
+    per_replica = num_stages if num_micro_batches is None else int(num_micro_batches)
+    if per_replica < 1:
+      raise ValueError(f"num_micro_batches must be >= 1, got {per_replica}.")
+    replicated = REPLICA_AXIS in mesh.axis_names
+    axes, num_rows = ((REPLICA_AXIS,) if replicated else ()) + (STAGE_AXIS,), per_replica
+  others = [a for a in mesh.axis_names if a not in axes]
+  if others:
+    raise ValueError(
+        f"The mesh has axes {tuple(mesh.axis_names)}; the {timetable or 'default'} timetable "
+        f"runs on ({STAGE_AXIS!r},) or ({REPLICA_AXIS!r}, {STAGE_AXIS!r}) (dp+mp on "
+        f"({DATA_AXIS!r}, {STAGE_AXIS!r})): drop or rename {others}.")
+  return axes, per_replica, num_rows
 
 
 def _resolve(rule, timetable, num_micro, num_stages) -> executor_lib.RulePlan:

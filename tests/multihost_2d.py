@@ -1,0 +1,72 @@
+"""The 2-D meshes stepped by one script: by each of 2 processes, or by the test for its reference.
+
+``python tests/multihost_2d.py OUT COORDINATOR NUM_PROCESSES PROCESS_ID`` joins the run
+(gloo CPU collectives, 8 devices in all), runs `run` and writes its result to
+``OUT`` as JSON. tests/test_multihost.py compares it with `run` on the 8 devices
+of its own process.
+"""
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # executed_reference
+
+from cdpjax import distributed  # (imports no JAX)
+
+NUM_CALLS, STEPS_PER_CALL = 2, 2
+
+
+def _host(x):
+  """A global array's value, read on any process (replicated first where it is split)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from cdpjax.executed import pipeline  # pylint: disable=g-import-not-at-top
+  return jax.numpy.asarray(pipeline.replicated(x).addressable_data(0)).tolist()
+
+
+def run() -> dict:
+  """Losses and final parameters of the replicated pipeline and of the sharded-worker engine.
+
+  Pipeline: ``(replica, stage)`` = 4 x 2, cdp-v2, ``K = 2`` steps per call. Engine:
+  ``(data, fsdp)`` = 4 x 2, cdp-v2. On 2 processes, replicas (workers) 0-1 are on
+  process 0 and 2-3 on process 1: the reductions over them cross processes.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  import executed_reference as ref  # pylint: disable=g-import-not-at-top
+  from cdpjax import executor  # pylint: disable=g-import-not-at-top
+  from cdpjax.executed import pipeline, staged  # pylint: disable=g-import-not-at-top
+
+  name, num_stages, replicas = "residual_mlp", 2, 4
+  model, params, _, stage_ids = ref.model_of(name, num_stages)
+  steps = NUM_CALLS * STEPS_PER_CALL
+  data = ref.batches(name, replicas * num_stages, num_steps=steps)
+  ex = pipeline.make_train_step(
+      ref.staged_of(name, num_stages), ref.make_tx(name), rule="cdp-v2", scan_steps=STEPS_PER_CALL,
+      mesh=jax.make_mesh((replicas, num_stages), ("replica", "stage"), devices=jax.devices()))
+  state, pipeline_losses = ex.init(params), []
+  for c in range(NUM_CALLS):
+    state, metrics = ex.step(state, jax.tree.map(
+        lambda x, c=c: x[c * STEPS_PER_CALL:(c + 1) * STEPS_PER_CALL], data))
+    pipeline_losses += _host(metrics["loss"])
+  result = {"pipeline_losses": pipeline_losses, "pipeline_params": _host(state.params)}
+
+  ex = executor.engine_executor(
+      model, ref.make_tx(name), stage_ids=stage_ids, rule="cdp-v2", loss_fn=staged.cross_entropy,
+      mesh=jax.make_mesh((4, 2), ("data", "fsdp"), devices=jax.devices()), with_model_state=False)
+  state, engine_losses = ex.init(params), []
+  data = ref.batches(name, 4, num_steps=steps)
+  for k in range(steps):
+    state, metrics = ex.step(state, ref.step_batch(data, k))
+    engine_losses.append(_host(metrics["loss"]))
+  result.update(engine_losses=engine_losses, engine_params=np.concatenate(
+      [np.ravel(_host(x)) for x in jax.tree.leaves(state.params)]).tolist())
+  assert all(np.isfinite(result["pipeline_losses"] + result["engine_losses"]))
+  return result
+
+
+if __name__ == "__main__":
+  out, coordinator, num_processes, process_id = sys.argv[1:5]
+  distributed.initialize(8, coordinator_address=coordinator, num_processes=int(num_processes),
+                         process_id=int(process_id), timeout_s=60)
+  pathlib.Path(out).write_text(json.dumps(run()))
