@@ -15,8 +15,9 @@ It also reports the padding cost of flat stage buffers for ResNet-18 cut by
 FLOPs (``padding``), and, for the transformer of ``configs/lm.py``'s quick
 start (one block per stage, the embedding on the first and the head on the
 last; windows of 64 bytes), the cyclic pipeline's and GPipe's compiled memory
-and bubble at the same J (``transformer_rows``; compiled, not timed). Results go to ``<results_dir>/bench_pipeline.json``
-(default ``results/bench_pipeline``).
+and bubble at the same J (``transformer_rows``; compiled, not timed).
+Results go to ``<results_dir>/bench_pipeline.json`` (default
+``results/bench_pipeline``).
 """
 from __future__ import annotations
 
@@ -251,7 +252,8 @@ def compile_sweep(args) -> list[dict]:
 
 
 def mlp_workload(num_stages, args):
-  """``(staged, params, batch, activation bytes)``: the residual MLP, ``blocks_per_stage`` per stage."""
+  """``(staged, params, batch, activation bytes)`` of the residual MLP cut every
+  ``blocks_per_stage`` blocks."""
   model = ResidualMLP(num_classes=10, width=args.width, hidden=args.hidden,
                       num_blocks=num_stages * args.blocks_per_stage)
   sample = jnp.zeros((1, 8, 8, 1))
