@@ -121,6 +121,8 @@ def main(argv=None) -> dict:
       if not args.resume:
         shutil.rmtree(workdir, ignore_errors=True)  # A fresh run.
       summary = train.train_and_evaluate(c, str(workdir))
+      if summary["preempted"]:  # SIGTERM or Ctrl-C: the run saved a checkpoint.
+        sys.exit(f"Stopped during {rule} seed {seed}: rerun with --resume to go on.")
       runs.append({"rule": rule, "seed": seed,
                    "final_bits_per_byte": summary["final_bits_per_byte"],
                    "final_loss": summary["final_loss"], "steps": summary["final_step"],
