@@ -4,10 +4,10 @@ Trains ``configs/lm.py`` (the quick-start transformer on the Python standard
 library, 4 workers, 4 stages) in-process for every rule and seed, then writes
 ``accuracy_lm.json`` (per-run and mean +- std final eval bits per byte, and the
 bigram baseline) and ``bits_per_byte.png`` (eval bits per byte against steps,
-mean over seeds with a +-1 std band) under ``--results_dir``:
+mean over seeds with a +-1 std band) under ``--results_dir``, after every run:
 
-  python experiments/accuracy_lm.py                  # 3 rules x 3 seeds
-  python experiments/accuracy_lm.py --steps 200 --learning_rate 3e-3   # what BENCHMARKS.md shows
+  python experiments/accuracy_lm.py                  # 3 rules x 3 seeds, 600 steps (BENCHMARKS.md)
+  python experiments/accuracy_lm.py --resume         # go on with an interrupted study
   python experiments/accuracy_lm.py --quick          # 1 seed, the smoke config
 """
 from __future__ import annotations
@@ -64,6 +64,25 @@ def plot(runs: list[dict], baseline: float, title: str, path) -> None:
   plt.close(fig)
 
 
+def write_results(runs: list[dict], c, quick: bool, out) -> dict:
+  """Writes ``accuracy_lm.json`` and ``bits_per_byte.png`` for the runs so far; returns the JSON."""
+  table = summarize(runs)
+  baseline = runs[0]["bigram_bits_per_byte"]
+  k = c.model_kwargs
+  title = (f"byte-level LM on the Python stdlib (configs/lm.py{':smoke' * quick}): "
+           f"{k.num_layers} layers, d_model {k.d_model},\n{c.num_workers} workers x "
+           f"{c.num_stages} stages, {c.num_train_steps} steps, lr {c.learning_rate:g}")
+  result = {"config": "configs/lm.py" + (":smoke" if quick else ""),
+            "num_workers": c.num_workers, "num_stages": c.num_stages,
+            "num_train_steps": c.num_train_steps, "learning_rate": c.learning_rate,
+            "warmup_steps": c.warmup_steps, "model_kwargs": k.to_dict(),
+            "bigram_bits_per_byte": baseline, "table": table, "machine": _common.machine(),
+            "runs": [{k: v for k, v in r.items() if k != "metrics"} for r in runs]}
+  _common.write_json(out / "accuracy_lm.json", result)
+  plot(runs, baseline, title, out / "bits_per_byte.png")
+  return result
+
+
 def main(argv=None) -> dict:
   p = _common.parser("accuracy_lm", __doc__)
   p.add_argument("--seeds", type=int, default=3, help="Seeds 0..seeds-1 per rule.")
@@ -73,6 +92,9 @@ def main(argv=None) -> dict:
   p.add_argument("--learning_rate", type=float, default=0.0,
                  help="Peak learning rate (0: the config's).")
   p.add_argument("--eval_every", type=int, default=25, help="Steps between evaluations.")
+  p.add_argument("--resume", action="store_true",
+                 help="Keep the run folders: finished runs are read back, interrupted ones go "
+                      "on from their last checkpoint (the launcher refuses a changed config).")
   args = p.parse_args(argv)
   if args.quick:
     args.seeds = 1
@@ -83,8 +105,8 @@ def main(argv=None) -> dict:
   from cdpjax import train  # pylint: disable=g-import-not-at-top  (JAX starts here)
 
   runs = []
-  for rule in args.rules.split(","):
-    for seed in range(args.seeds):
+  for seed in range(args.seeds):  # Seed-major: an interrupted study has every rule's first seeds.
+    for rule in args.rules.split(","):
       c = load_config(f"rule={rule}" + (",smoke" if args.quick else ""))
       c.seed = seed
       if args.steps:
@@ -94,37 +116,26 @@ def main(argv=None) -> dict:
         c.learning_rate = args.learning_rate
       if not args.quick:
         c.eval_every_steps = args.eval_every
-        c.checkpoint_every_steps = 10**9  # Only the final checkpoint.
+        c.checkpoint_every_steps = 100
       workdir = out / "runs" / f"{rule}_seed{seed}"
-      shutil.rmtree(workdir, ignore_errors=True)  # A fresh run, never a resume.
+      if not args.resume:
+        shutil.rmtree(workdir, ignore_errors=True)  # A fresh run.
       summary = train.train_and_evaluate(c, str(workdir))
+      if summary["preempted"]:  # SIGTERM or Ctrl-C: the run saved a checkpoint.
+        sys.exit(f"Stopped during {rule} seed {seed}: rerun with --resume to go on.")
       runs.append({"rule": rule, "seed": seed,
                    "final_bits_per_byte": summary["final_bits_per_byte"],
                    "final_loss": summary["final_loss"], "steps": summary["final_step"],
                    "bigram_bits_per_byte": summary["bigram_bits_per_byte"],
                    "wall_time_s": summary["wall_time_s"],
-                   "tokens_per_second": summary["tokens_per_second"],
+                   "tokens_per_second": summary.get("tokens_per_second"),
                    "metrics": accuracy_digits.read_metrics(workdir)})
       print(f"{rule} seed {seed}: eval bits/byte {summary['final_bits_per_byte']:.4f} "
             f"(bigram {summary['bigram_bits_per_byte']:.4f})", flush=True)
-
-  table = summarize(runs)
-  baseline = runs[0]["bigram_bits_per_byte"]
-  k = c.model_kwargs
-  title = (f"byte-level LM on the Python stdlib (configs/lm.py{':smoke' * args.quick}): "
-           f"{k.num_layers} layers, d_model {k.d_model},\n{c.num_workers} workers x "
-           f"{c.num_stages} stages, {c.num_train_steps} steps, lr {c.learning_rate:g}")
-  result = {"config": "configs/lm.py" + (":smoke" if args.quick else ""),
-            "num_workers": c.num_workers, "num_stages": c.num_stages,
-            "num_train_steps": c.num_train_steps, "learning_rate": c.learning_rate,
-            "warmup_steps": c.warmup_steps, "model_kwargs": k.to_dict(),
-            "bigram_bits_per_byte": baseline, "table": table, "machine": _common.machine(),
-            "runs": [{k: v for k, v in r.items() if k != "metrics"} for r in runs]}
-  _common.write_json(out / "accuracy_lm.json", result)
-  plot(runs, baseline, title, out / "bits_per_byte.png")
-  print(f"bigram baseline: {baseline:.3f} bits/byte")
+      result = write_results(runs, c, args.quick, out)  # After every run: partial studies count.
+  print(f"bigram baseline: {result['bigram_bits_per_byte']:.3f} bits/byte")
   print("| rule | eval bits/byte (mean ± std) | seeds |\n|---|---|---|")
-  for rule, row in table.items():
+  for rule, row in result["table"].items():
     print(f"| {rule} | {row['mean']:.3f} ± {row['std']:.3f} | {row['n']} |")
   return result
 

@@ -1,9 +1,11 @@
 """The engine's overhead: CDP rules against DP, and the engine against plain DP.
 
-On 8 emulated CPU devices in one process, for two workloads — the digits
-residual MLP (memory-bound: a few FLOPs per parameter) and a ResNet-18 on
-CIFAR-sized images at a quarter of its width (compute-bound) — with the same
-model, mesh and batch within a workload:
+On 8 emulated CPU devices in one process, for three workloads — the digits
+residual MLP (memory-bound: a few FLOPs per parameter), a ResNet-18 on
+CIFAR-sized images at a quarter of its width (compute-bound) and the
+quick-start transformer of ``configs/lm.py`` (4 blocks, ``d_model`` 64,
+windows of 64 bytes, AdamW; stages of whole blocks) — with the same model,
+mesh and batch within a workload:
 
 - step-time ratios cdp-v1/dp and cdp-v2/dp of ``engine.make_train_step`` on
   steps that do not log (``norms=False``), and the cost of the health norms
@@ -63,9 +65,23 @@ def plain_dp_step(loss_fn, tx, mesh):
 
 
 def workload(name: str, quick: bool, per_worker_batch: int):
-  """``(model, batch, stage strategy)`` of a workload; BatchNorm runs in eval mode."""
+  """``(model, batch, stage cut, optimizer)`` of a workload; BatchNorm runs in eval mode.
+
+  The transformer's batch is next-byte pairs, as ``cdpjax.tasks`` feeds it:
+  ``image`` the input bytes, ``label`` the bytes one position later.
+  """
   rng = np.random.default_rng(0)
   n = NUM_WORKERS * per_worker_batch
+  if name == "transformer":
+    size = dict(num_layers=4, d_model=32, num_heads=2, d_ff=64, seq_len=16) if quick else dict(
+        num_layers=4, d_model=64, num_heads=4, d_ff=256, seq_len=64)  # configs/lm.py's quick.
+    model = models.create_model("transformer", 256, **size)
+    tokens = rng.integers(0, 256, size=(n, size["seq_len"] + 1)).astype(np.int32)
+    per = size["num_layers"] // NUM_STAGES  # Whole blocks per stage, as configs/lm.py cuts.
+    blocks = dict(strategy="boundaries",
+                  boundaries=[f"block_{s * per}" for s in range(1, NUM_STAGES)])
+    return (model, {"image": tokens[:, :-1], "label": tokens[:, 1:]}, blocks,
+            optax.adamw(1e-3, weight_decay=0.1))
   if name == "mlp":
     width = 32 if quick else 256
     model = models.create_model("residual_mlp", 10, width=width, hidden=2 * width,
@@ -76,7 +92,7 @@ def workload(name: str, quick: bool, per_worker_batch: int):
     shape = (8, 8, 3) if quick else (32, 32, 3)
   batch = {"image": rng.normal(size=(n,) + shape).astype(np.float32),
            "label": rng.integers(0, 10, size=n).astype(np.int32)}
-  return model, batch
+  return model, batch, dict(strategy="params"), optax.sgd(0.01, momentum=0.9)
 
 
 def parameter_copies(hlo_text: str, params) -> int:
@@ -94,15 +110,14 @@ def parameter_copies(hlo_text: str, params) -> int:
 
 def measure(name: str, args) -> dict:
   mesh = jax.make_mesh((NUM_WORKERS,), ("data",))
-  per_worker_batch = args.per_worker_batch if name == "mlp" else args.resnet_batch
-  model, batch = workload(name, args.quick, per_worker_batch)
+  per_worker_batch = {"mlp": args.per_worker_batch, "resnet18": args.resnet_batch,
+                      "transformer": args.lm_batch}[name]
+  model, batch, strategy, tx = workload(name, args.quick, per_worker_batch)
   sample = batch["image"][:1]
   variables = model.init(jax.random.key(0), sample, train=False)
   params = variables["params"]
   frozen = {k: v for k, v in variables.items() if k != "params"}  # BatchNorm statistics.
-  stage_ids = stages.model_stage_ids(model, params, NUM_STAGES, sample, strategy="params",
-                                     train=False)
-  tx = optax.sgd(0.01, momentum=0.9)
+  stage_ids = stages.model_stage_ids(model, params, NUM_STAGES, sample, train=False, **strategy)
 
   def loss_fn(p, b):
     logits = model.apply({"params": p, **frozen}, b["image"], train=False)
@@ -161,11 +176,14 @@ def main(argv=None):
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--per_worker_batch", type=int, default=32, help="MLP rows per worker.")
   parser.add_argument("--resnet_batch", type=int, default=8, help="ResNet images per worker.")
-  parser.add_argument("--workloads", nargs="+", default=["mlp", "resnet18"],
-                      choices=["mlp", "resnet18"])
+  parser.add_argument("--lm_batch", type=int, default=4,
+                      help="Transformer windows per worker (configs/lm.py trains 16).")
+  parser.add_argument("--workloads", nargs="+", default=["mlp", "resnet18", "transformer"],
+                      choices=["mlp", "resnet18", "transformer"])
   args = parser.parse_args(argv)
   if args.quick:
-    args.steps, args.warmup, args.per_worker_batch, args.resnet_batch = 3, 1, 4, 2
+    args.steps, args.warmup, args.per_worker_batch, args.resnet_batch, args.lm_batch = (
+        3, 1, 4, 2, 1)
   results = [measure(name, args) for name in args.workloads]
   result = {"devices": NUM_WORKERS, "num_stages": NUM_STAGES, "steps": args.steps,
             "workloads": results, "machine": _common.machine()}

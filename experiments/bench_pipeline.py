@@ -12,8 +12,12 @@ executed schedule, collectives from the compiled HLO, and the step time
 relative to GPipe measured in the same run (calls of K steps interleaved
 across schedules, median over timed calls, warm-up excluded). DP+MP rows whose N*J devices do not exist are analytic and say so.
 It also reports the padding cost of flat stage buffers for ResNet-18 cut by
-FLOPs (``padding``). Results go to ``<results_dir>/bench_pipeline.json``
-(default ``results/bench_pipeline``).
+FLOPs (``padding``), and, for the transformer of ``configs/lm.py``'s quick
+start (one block per stage, the embedding on the first and the head on the
+last; windows of 64 bytes), the cyclic pipeline's and GPipe's compiled memory
+and bubble at the same J (``transformer_rows``; compiled, not timed).
+Results go to ``<results_dir>/bench_pipeline.json`` (default
+``results/bench_pipeline``).
 """
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ def parse(argv=None):
   parser.add_argument("--width", type=int, default=128)
   parser.add_argument("--hidden", type=int, default=512)
   parser.add_argument("--per_micro", type=int, default=32, help="rows b of one micro-batch")
+  parser.add_argument("--lm_per_micro", type=int, default=2,
+                      help="windows of one transformer micro-batch")
   parser.add_argument("--steps_per_call", type=int, default=4, help="K steps per compiled call")
   parser.add_argument("--timed_calls", type=int, default=20)
   parser.add_argument("--compile_sweep", default="",
@@ -52,7 +58,7 @@ def parse(argv=None):
   args = parser.parse_args(argv)
   if args.quick:
     # The shapes of tests/test_pipeline.py, whose compiles the smoke test then reuses.
-    args.stages, args.width, args.hidden, args.per_micro = "2", 8, 16, 2
+    args.stages, args.width, args.hidden, args.per_micro, args.lm_per_micro = "2", 8, 16, 2, 1
     args.blocks_per_stage = 2
     args.steps_per_call, args.timed_calls = 2, 2
   args.stages = [int(s) for s in args.stages.split(",")]
@@ -112,7 +118,7 @@ def collective_figures(hlo, slots_per_step):
           "collective_bytes_per_step_per_device": per_step}
 
 
-def measure(schedule, num_stages, args, staged, params, batch):
+def measure(schedule, num_stages, args, staged, params, batch, act_bytes):
   if schedule == "dp+mp":
     mesh = jax.make_mesh((num_stages, num_stages), ("data", "stage"))
   else:
@@ -124,7 +130,6 @@ def measure(schedule, num_stages, args, staged, params, batch):
   state = ex.init(params)
   exe = ex.lower(state, batch).compile()
   memory = compiled.memory(exe)
-  act_bytes = args.per_micro * args.width * 4
   row = {"schedule": schedule, "rule": rule, "num_stages": num_stages, "num_micro": num_stages,
          "analytic": False}
   row.update(schedule_counts(schedule, num_stages, args.steps_per_call, act_bytes))
@@ -246,6 +251,42 @@ def compile_sweep(args) -> list[dict]:
   return rows
 
 
+def mlp_workload(num_stages, args):
+  """``(staged, params, batch, activation bytes)`` of the residual MLP cut every
+  ``blocks_per_stage`` blocks."""
+  model = ResidualMLP(num_classes=10, width=args.width, hidden=args.hidden,
+                      num_blocks=num_stages * args.blocks_per_stage)
+  sample = jnp.zeros((1, 8, 8, 1))
+  params = model.init(jax.random.key(0), sample)["params"]
+  stage_ids = stages.model_stage_ids(
+      model, params, num_stages, sample, strategy="boundaries",
+      boundaries=[f"block_{s * args.blocks_per_stage}" for s in range(1, num_stages)])
+  staged = staged_lib.stage_model(model, params, stage_ids, sample)
+  rng = np.random.default_rng(0)
+  rows_n = num_stages * args.per_micro
+  batch = {"image": rng.normal(size=(args.steps_per_call, rows_n, 8, 8, 1)).astype(np.float32),
+           "label": rng.integers(0, 10, size=(args.steps_per_call, rows_n)).astype(np.int32)}
+  return staged, params, batch, args.per_micro * args.width * 4
+
+
+def transformer_workload(num_stages, args):
+  """The same for configs/lm.py's quick-start transformer with one block per stage."""
+  size = (dict(d_model=32, num_heads=2, d_ff=64, seq_len=16) if args.quick else
+          dict(d_model=64, num_heads=4, d_ff=256, seq_len=64))
+  model = models.create_model("transformer", 256, num_layers=num_stages, **size)
+  sample = jnp.zeros((1, size["seq_len"]), jnp.int32)
+  params = model.init(jax.random.key(0), sample)["params"]
+  stage_ids = stages.model_stage_ids(
+      model, params, num_stages, sample, strategy="boundaries",
+      boundaries=[f"block_{s}" for s in range(1, num_stages)])
+  staged = staged_lib.stage_model(model, params, stage_ids, sample)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, size=(args.steps_per_call, num_stages * args.lm_per_micro,
+                                      size["seq_len"] + 1)).astype(np.int32)
+  batch = {"image": tokens[..., :-1], "label": tokens[..., 1:]}
+  return staged, params, batch, args.lm_per_micro * size["seq_len"] * size["d_model"] * 4
+
+
 def main(argv=None):
   args = parse(argv)
   if args.compile_sweep:
@@ -255,41 +296,44 @@ def main(argv=None):
     _common.write_json(path, result)
     print(f"wrote {path}")
     return result
-  rng = np.random.default_rng(0)
   rows = []
   for num_stages in args.stages:
-    num_blocks = num_stages * args.blocks_per_stage
-    model = ResidualMLP(num_classes=10, width=args.width, hidden=args.hidden,
-                        num_blocks=num_blocks)
-    sample = jnp.zeros((1, 8, 8, 1))
-    params = model.init(jax.random.key(0), sample)["params"]
-    stage_ids = stages.model_stage_ids(
-        model, params, num_stages, sample, strategy="boundaries",
-        boundaries=[f"block_{s * args.blocks_per_stage}" for s in range(1, num_stages)])
-    staged = staged_lib.stage_model(model, params, stage_ids, sample)
-    rows_n = num_stages * args.per_micro
-    batch = {"image": rng.normal(size=(args.steps_per_call, rows_n, 8, 8, 1)).astype(np.float32),
-             "label": rng.integers(0, 10, size=(args.steps_per_call, rows_n)).astype(np.int32)}
+    staged, params, batch, act_bytes = mlp_workload(num_stages, args)
     measured, programs = {}, {}
     for schedule in ("cyclic", "gpipe", "dp+mp"):
       if schedule == "dp+mp" and num_stages * num_stages > jax.device_count():
         param_bytes = 4 * staged.param_size  # Every stage is padded to the largest.
-        measured[schedule] = analytic_dp_mp(num_stages, param_bytes,
-                                            args.per_micro * args.width * 4)
+        measured[schedule] = analytic_dp_mp(num_stages, param_bytes, act_bytes)
         continue
       measured[schedule], programs[schedule] = measure(
-          schedule, num_stages, args, staged, params, batch)
+          schedule, num_stages, args, staged, params, batch, act_bytes)
     call_s = _common.interleaved_step_times(programs, steps=args.timed_calls, warmup=2)
     for schedule, row in measured.items():
       if schedule in call_s:
         row["step_time_median_s"] = call_s[schedule] / args.steps_per_call
         row["step_time_ratio_vs_gpipe"] = call_s[schedule] / call_s["gpipe"]
       rows.append(row)
+  transformer_rows = []
+  for num_stages in args.stages:
+    workload = transformer_workload(num_stages, args)
+    for schedule in ("cyclic", "gpipe"):
+      row, _ = measure(schedule, num_stages, args, *workload)
+      transformer_rows.append(row)
+    cyclic, gpipe = transformer_rows[-2:]
+    cyclic["peak_ratio_vs_gpipe"] = cyclic["peak_bytes_per_device"] / gpipe["peak_bytes_per_device"]
+    gpipe["peak_ratio_vs_gpipe"] = 1.0
   result = {"config": vars(args), "device_count": jax.device_count(),
-            "machine": _common.machine(), "rows": rows, "padding": resnet_padding(args)}
+            "machine": _common.machine(), "rows": rows, "transformer_rows": transformer_rows,
+            "padding": resnet_padding(args)}
   path = _common.results_dir(args) / "bench_pipeline.json"
   _common.write_json(path, result)
+  print("== residual MLP")
   print_table(rows)
+  print("== transformer (not timed)")
+  print_table(transformer_rows)
+  print("cyclic peak / GPipe peak on the transformer: " + ", ".join(
+      f"J={r['num_stages']}: {r['peak_ratio_vs_gpipe']:.3f}"
+      for r in transformer_rows if r["schedule"] == "cyclic"))
   print(f"wrote {path}")
   return result
 

@@ -14,7 +14,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from cdpjax import config as config_lib
-from cdpjax import data, stages, train
+from cdpjax import data, sample, stages, tasks, train
 from cdpjax.data import text, tfds_pipeline
 from cdpjax.models.transformer import Transformer
 
@@ -204,22 +204,6 @@ def test_executed_modes_refuse_a_global_clip():
     config_lib.validate(lm_config("smoke,parallelism=model", grad_clip_norm=1.0))
 
 
-def test_every_parallelism_logs_the_engines_losses(tmp_path):
-  """The transformer cut into 4 stages, executed as a pipeline and as CDP-ZeRO."""
-  losses = {}
-  for parallelism in ("data", "model", "zero"):
-    workdir = tmp_path / parallelism
-    train.train_and_evaluate(lm_config(f"smoke,parallelism={parallelism}", grad_clip_norm=0.0),
-                             str(workdir))
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    losses[parallelism] = [r["train/loss"] for r in rows if "train/loss" in r]
-  assert len(losses["data"]) == 4
-  # AdamW divides by the gradients' own scale, which carries the stage-wise
-  # sums' float32 rounding into the update: 2e-5 (measured: 1e-5 at most).
-  for parallelism in ("model", "zero"):
-    np.testing.assert_allclose(losses[parallelism], losses["data"], rtol=2e-5)
-
-
 def test_every_command_in_the_config_docstring_loads():
   """The launcher commands of configs/lm.py: each config argument parses and validates."""
   module_doc = (ROOT / "configs" / "lm.py").read_text().split('"""')[1]
@@ -246,11 +230,11 @@ def straight_run(tmp_path_factory):
   """Six cdp-v2 smoke steps, evaluated at steps 3 and 6."""
   workdir = tmp_path_factory.mktemp("lm_straight")
   summary = train.train_and_evaluate(lm_config(num_train_steps=6, **RESUME), str(workdir))
-  return summary, read_metrics(workdir)
+  return summary, read_metrics(workdir), str(workdir)
 
 
 def test_lm_smoke_trains_and_logs(straight_run):
-  summary, metrics = straight_run
+  summary, metrics, _ = straight_run
   baseline = [m for m in metrics if "baseline/bigram_bits_per_byte" in m]
   assert len(baseline) == 1 and baseline[0]["step"] == 0
   assert summary["bigram_bits_per_byte"] == baseline[0]["baseline/bigram_bits_per_byte"]
@@ -275,3 +259,25 @@ def test_lm_resume_three_plus_three_equals_six_straight_steps(straight_run, tmp_
   resumed = read_metrics(tmp_path)
   assert losses(resumed) == losses(straight_run[1])
   assert len([m for m in resumed if "baseline/bigram_loss" in m]) == 1  # Not again on resume.
+
+
+def test_sample_restores_the_checkpoint_and_slides_the_window(straight_run, tmp_path):
+  """cdpjax-sample's pieces: the newest checkpoint's parameters, then bytes drawn one at a time."""
+  summary, _, workdir = straight_run
+  model, params = sample.restore_params(sample.load_config(workdir), workdir)
+  apply = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
+  # The restored parameters are the final ones: they give the final eval loss.
+  windows = data.get_dataset("python_stdlib", seq_len=16, eval_windows=16).eval_windows()
+  loss = tasks.cross_entropy(apply(windows[:, :-1]), windows[:, 1:])
+  assert float(loss) == pytest.approx(summary["final_loss"], rel=1e-5)
+  # Greedy decoding past seq_len (16) is the argmax after the unpadded last 16 bytes.
+  prompt = b"def add(a, b):"
+  greedy = sample.sample(model, params, prompt, 4, temperature=0.0, seed=0)
+  want = list(prompt)
+  for _ in range(4):
+    want.append(int(jnp.argmax(apply(jnp.asarray(want[-16:])[None])[0, -1])))
+  assert greedy == bytes(want)
+  drawn = [sample.sample(model, params, prompt, 4, temperature=1.0, seed=s) for s in (0, 0, 1)]
+  assert drawn[0] == drawn[1] != drawn[2] and drawn[0].startswith(prompt) and len(drawn[0]) == 18
+  with pytest.raises(ValueError, match="config.json"):
+    sample.load_config(str(tmp_path))
