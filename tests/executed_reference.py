@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 
-from cdpjax import executor, models, stages
+from cdpjax import executor, models, schedule, stages
 from cdpjax.executed import staged as staged_lib
 
 NUM_STEPS = 4
@@ -63,24 +63,30 @@ def step_batch(batch, k):
 
 
 @functools.cache
-def engine_run(name, rule, num_workers):
-  """Per-step metrics (host numpy) and final flax variables of the engine over NUM_STEPS."""
+def engine_run(name, rule, num_workers, replicas=1):
+  """Per-step metrics (host numpy) and final flax variables of the engine over NUM_STEPS.
+
+  ``replicas``: the engine with ``R*N`` workers whose delay matrix is the
+  rule's ``(N, N)`` matrix tiled ``R`` times, as ``R`` replicated executors run it.
+  """
   model, params, model_state, stage_ids = model_of(name, num_workers)
+  if replicas > 1:
+    rule = np.tile(schedule.resolve(rule, num_workers, num_workers), (replicas, 1))
   ex = executor.engine_executor(model, make_tx(name), stage_ids=stage_ids, rule=rule,
-                                mesh=jax.make_mesh((num_workers,), ("data",)),
+                                mesh=jax.make_mesh((replicas * num_workers,), ("data",)),
                                 loss_fn=staged_lib.cross_entropy,
                                 with_model_state=model_state is not None)
   state = ex.init(params, model_state)
-  data, metrics = batches(name, num_workers), []
+  data, metrics = batches(name, replicas * num_workers), []
   for k in range(NUM_STEPS):
     state, m = ex.step(state, step_batch(data, k))
     metrics.append(jax.tree.map(np.asarray, m))
   return metrics, jax.tree.map(np.asarray, ex.variables(state))
 
 
-def assert_matches_engine(metrics, variables, name, rule, num_workers, rtol=1e-5):
+def assert_matches_engine(metrics, variables, name, rule, num_workers, rtol=1e-5, replicas=1):
   """Every metric of every step, and the final parameters and model state."""
-  ref_metrics, ref_variables = engine_run(name, rule, num_workers)
+  ref_metrics, ref_variables = engine_run(name, rule, num_workers, replicas)
   assert len(metrics) == len(ref_metrics)
   for k, (got, want) in enumerate(zip(metrics, ref_metrics)):
     assert set(got) == set(want) == {"loss", "grad_norm", "grad_norm_per_stage", "param_norm"}

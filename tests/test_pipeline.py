@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from cdpjax import compiled, executor, schedule
-from cdpjax.executed import pipeline, plan, staged
+from cdpjax import compiled, schedule
+from cdpjax.executed import pipeline, plan
 
 import executed_reference as ref
 
@@ -67,23 +67,6 @@ def test_dp_plus_mp_matches_engine_dp():
   ref.assert_matches_engine(metrics, variables, "residual_mlp", "dp", 2)
 
 
-@functools.cache
-def tiled_engine_run(name, rule, num_stages, replicas):
-  """The engine with ``R*J`` workers whose delay matrix is the rule's ``(J, J)`` tiled ``R`` times."""
-  model, params, model_state, stage_ids = ref.model_of(name, num_stages)
-  delays = np.tile(schedule.resolve(rule, num_stages, num_stages), (replicas, 1))
-  ex = executor.engine_executor(
-      model, ref.make_tx(name), stage_ids=stage_ids, rule=delays,
-      mesh=jax.make_mesh((replicas * num_stages,), ("data",)), loss_fn=staged.cross_entropy,
-      with_model_state=model_state is not None)
-  state = ex.init(params, model_state)
-  data, metrics = ref.batches(name, replicas * num_stages), []
-  for k in range(ref.NUM_STEPS):
-    state, m = ex.step(state, ref.step_batch(data, k))
-    metrics.append(jax.tree.map(np.asarray, m))
-  return metrics, jax.tree.map(np.asarray, ex.variables(state))
-
-
 @pytest.mark.parametrize("name, rule", [
     ("residual_mlp", "dp"), ("residual_mlp", "cdp-v1"), ("residual_mlp", "cdp-v2"),
     ("resnet18", "cdp-v2")])
@@ -99,14 +82,7 @@ def test_replicas_match_the_engine_with_tiled_delays(name, rule):
   assert plan_.timetable == ("gpipe" if rule == "dp" else "cyclic")
   if name == "resnet18":
     assert set(variables) == {"params", "batch_stats"}
-  ref_metrics, ref_variables = tiled_engine_run(name, rule, 2, REPLICAS)
-  assert len(metrics) == len(ref_metrics)
-  for k, (got, want) in enumerate(zip(metrics, ref_metrics)):
-    assert set(got) == set(want)
-    for key in want:
-      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"step {k} {key}")
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               variables, ref_variables)
+  ref.assert_matches_engine(metrics, variables, name, rule, 2, replicas=REPLICAS)
 
 
 def test_replicas_reduce_each_stage_once_per_step():
