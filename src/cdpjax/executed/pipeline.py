@@ -369,9 +369,11 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
     if not isinstance(batch, dict) or set(batch) != {"image", "label"}:
       raise ValueError("The batch must be a dict with keys 'image' [N*b, ...] and 'label' "
                        "[N*b, ...].")
-    batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
+    batch = {k: v if isinstance(v, (jax.Array, jax.ShapeDtypeStruct)) else np.asarray(v)
+             for k, v in batch.items()}
     if scan_steps is None:
-      batch = {k: v[None] for k, v in batch.items()}
+      batch = {k: jax.ShapeDtypeStruct((1, *v.shape), v.dtype) if isinstance(
+          v, jax.ShapeDtypeStruct) else v[None] for k, v in batch.items()}
     elif any(v.ndim < 2 or v.shape[0] != scan_steps for v in batch.values()):
       raise ValueError(f"With scan_steps={scan_steps} batch leaves need shape "
                        f"[{scan_steps}, N*b, ...]; got {[v.shape for v in batch.values()]}.")
@@ -382,8 +384,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
     if rows % num_micro or rows == 0:
       raise ValueError(f"Batch size {rows} is not divisible by the N={num_micro} micro-batches: "
                        "use N * b rows (micro-batch i = rows i*b:(i+1)*b).")
-    state = jax.device_put(state, _state_sharding(mesh, state))
-    return state, jax.device_put(batch, NamedSharding(mesh, batch_spec))
+    state = executor_lib.place(state, _state_sharding(mesh, state))
+    return state, executor_lib.place(batch, NamedSharding(mesh, batch_spec))
 
   def finish(raw):
     # Per device [J, K], or [N, J, K] for dp+mp; replicated outside the step, so the

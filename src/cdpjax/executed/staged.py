@@ -49,6 +49,8 @@ class _Layout:
     self.size = sum(math.prod(s) for s in self.shapes)
 
   def pack(self, tree, size: int) -> np.ndarray:
+    if _traced(tree):  # Under jax.eval_shape (ahead-of-time compiling): shapes, no host copy.
+      return _flatten_act(tree, size) if self.shapes else jnp.zeros((size,), jnp.float32)
     flat = np.zeros((size,), np.float32)
     offset = 0
     for leaf, shape in zip(jax.tree.leaves(tree), self.shapes):
@@ -62,6 +64,10 @@ class _Layout:
       leaves.append(flat[offset:offset + math.prod(shape)].reshape(shape))
       offset += math.prod(shape)
     return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _traced(tree) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _flatten_act(tree, size: int):
@@ -126,10 +132,11 @@ class StagedModel:
   # -- Host-side packing. -----------------------------------------------------
 
   def pack(self, params, model_state=None) -> tuple[np.ndarray, np.ndarray]:
-    """``([J, P], [J, M])`` float32 host arrays in stage order."""
-    p = np.stack([layout.pack({u: params[u] for u in units}, self.param_size)
+    """``([J, P], [J, M])`` float32 host arrays in stage order (traced under ``jax.eval_shape``)."""
+    stack = jnp.stack if _traced((params, model_state)) else np.stack
+    p = stack([layout.pack({u: params[u] for u in units}, self.param_size)
                   for layout, units in zip(self._param_layouts, self.units)])
-    s = np.stack([layout.pack(self._stage_state(model_state, units), self.state_size)
+    s = stack([layout.pack(self._stage_state(model_state, units), self.state_size)
                   for layout, units in zip(self._state_layouts, self.units)])
     return p, s
 

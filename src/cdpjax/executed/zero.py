@@ -384,8 +384,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
           f"num_workers * b rows for both ({num_workers} workers; worker i gets rows "
           "i*b:(i+1)*b).")
     sharding = NamedSharding(mesh, P(AXIS))
-    batch = jax.device_put(batch, sharding)
-    return jax.device_put(state, _shardings(state, mesh, plan.timetable)), batch
+    batch = executor_lib.place(batch, sharding)
+    return executor_lib.place(state, _shardings(state, mesh, plan.timetable)), batch
 
   def step(state, batch, norms=True):
     del norms  # The norms ride the owners' update; they cost no extra pass here.
