@@ -25,11 +25,13 @@ import re
 
 GIB = 1 << 30
 # HBM per chip, from the Cloud TPU documentation's system architecture pages
-# (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e: "HBM2 capacity 32 GiB",
-# "16 GiB", "95 GiB", "32 GiB"), read 2026-12.
+# (tpu/docs/v4, v5e, v5p, v6e), read 2026-12: v4 "32 GiB", v5p "95 GiB", v5e
+# "16 GB" and v6e "32 GB" (HBM stacks come in binary sizes: read as GiB). The
+# runtime keeps a little of it for itself, so a step within a few percent of
+# the figure may still not fit.
 CHIP_HBM_BYTES = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB}
-HBM_SOURCE = ("Cloud TPU documentation, system architecture: v4 32 GiB, v5e 16 GiB, "
-              "v5p 95 GiB, v6e 32 GiB of HBM per chip")
+HBM_SOURCE = ("Cloud TPU documentation, system architecture pages: HBM per chip v4 32 GiB, "
+              "v5e 16 GB, v5p 95 GiB, v6e 32 GB (read as GiB)")
 # libtpu's name for a slice of ``CHIP`` chips, for TPU_ACCELERATOR_TYPE (``v5litepod-8``).
 _ACCELERATOR_NAME = {"v4": "v4", "v5e": "v5litepod", "v5p": "v5p", "v6e": "v6e"}
 _TOPOLOGY = re.compile(r"^(?P<chip>v\d+[a-z]*):(?P<shape>\d+(?:x\d+)*)$")

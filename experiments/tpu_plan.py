@@ -1,0 +1,222 @@
+"""The paper's memory and communication claims on the TPU compiler, at pod scale.
+
+Compiles (ahead of time, `cdpjax.aot`: libtpu on this CPU host, nothing runs)
+the training step of each strategy for a TPU topology, and puts the compiled
+per-chip peak memory and collective bytes per step next to the cost model's
+(`cdpjax.analysis`) predictions, with their ratio:
+
+- ResNet-50 at the ImageNet recipe (batch 32 per worker, SGD with momentum,
+  ``J = 4`` stages split by FLOPs) on v5e:16x16 (v5e-256);
+- a transformer of about 1B parameters (byte-level, ``d_model`` 2048, 20
+  layers, sequences of 1024, AdamW, 4 rows per worker) on v5p:8x8x4 (v5p-256).
+
+Strategies: DP, CDP-v1 and CDP-v2 on the engine (one worker per chip: ``N``
+= the topology's chips), GPipe and CDP+MP (the executed pipeline), ZeRO-3 and
+CDP+ZeRO (``N = J = 4`` chips: the executed timetables run one pipeline or
+ring; on a pod, the other chips would hold replicas of it).
+
+Each compiled point is cached as JSON in ``--results_dir/points`` and is not
+compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead.
+
+  python experiments/tpu_plan.py                  # minutes to hours on 2 cores
+  python experiments/tpu_plan.py --quick --results_dir /tmp/tpu_plan
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import _common
+
+STRATEGIES = {  # The cost model's name: (rule, parallelism).
+    "dp": ("dp", "data"), "cdp-v1": ("cdp-v1", "data"), "cdp-v2": ("cdp-v2", "data"),
+    "gpipe": ("dp", "model"), "cdp+mp": ("cdp-v2", "model"),
+    "zero-3": ("dp", "zero"), "cdp+zero": ("cdp-v2", "zero"),
+}
+TRANSFORMER_1B = dict(num_layers=20, d_model=2048, num_heads=16, d_ff=8192, seq_len=1024)
+PLANS = {
+    "full": [
+        # (name, config, overrides, model_kwargs, topology)
+        ("resnet50", "configs/imagenet_resnet50.py", {}, {}, "v5e:16x16"),
+        ("transformer-1b", "configs/lm.py:size=base", {"per_worker_batch_size": 4},
+         TRANSFORMER_1B, "v5p:8x8x4"),
+    ],
+    "quick": [("digits-mlp", "configs/digits.py", {}, {}, "v5e:2x4")],
+}
+NUM_STAGES = {"full": 4, "quick": 2}
+OPTIMIZER_FACTOR = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}  # Optimizer bytes per parameter byte.
+
+
+def point_config(path, overrides, model_kwargs, strategy, chips, num_stages):
+  """The config of one strategy: the engine on every chip, the executed timetables on ``J``."""
+  from cdpjax import config as config_lib  # pylint: disable=g-import-not-at-top
+  file, _, arg = path.partition(":")
+  rule, parallelism = STRATEGIES[strategy]
+  workers = chips if parallelism == "data" else num_stages
+  c = config_lib.load(os.path.join(_common.REPO, file), arg or None, **overrides)
+  with c.unlocked():
+    c.rule, c.parallelism, c.num_workers, c.num_stages = rule, parallelism, workers, num_stages
+    c.eval_batch_size = workers
+    c.grad_clip_norm = 0.0  # The executed timetables do not clip; the same optimizer for all.
+    c.model_kwargs.update(model_kwargs)
+  return c
+
+
+def residual_bytes(model, variables, batch_rows) -> float:
+  """Bytes ``jax.vjp`` keeps from one worker's forward for its backward, parameters excluded."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from cdpjax import tasks  # pylint: disable=g-import-not-at-top
+  params = variables["params"]
+  state = {k: v for k, v in variables.items() if k != "params"}
+
+  def backward_of(p, batch):
+    def loss(p):
+      out = model.apply({"params": p, **state}, batch["image"], train=True,
+                        mutable=list(state) or False)
+      return tasks.cross_entropy(out[0] if state else out, batch["label"])
+    return jax.vjp(loss, p)[1]
+  leaves = jax.tree.leaves(jax.eval_shape(backward_of, params, batch_rows))
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  return max(0.0, sum(x.size * x.dtype.itemsize for x in leaves) - param_bytes)
+
+
+def workload(c, executed: bool):
+  """The cost model's ``Workload`` of config ``c``, as the compiled program lays it out.
+
+  The executed timetables keep every stage in a flat float32 buffer padded to
+  the largest stage, recompute a stage's forward in its backward (so a stage
+  keeps its input, padded to the largest boundary) and send padded
+  boundaries; the engine keeps the unpadded stages and ``jax.vjp``'s residuals.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from cdpjax import aot, analysis, train  # pylint: disable=g-import-not-at-top
+  from cdpjax.executed import staged as staged_lib  # pylint: disable=g-import-not-at-top
+  model, sample, batch = aot._model_and_batch(c)  # pylint: disable=protected-access
+  variables = jax.eval_shape(lambda k: model.init(k, sample, train=False), jax.random.key(0))
+  params = variables["params"]
+  model_state = {k: v for k, v in variables.items() if k != "params"} or None
+  staged = staged_lib.stage_model(model, params, train.model_stage_ids(c, model, params, sample),
+                                  sample, model_state=model_state)
+  b = c.per_worker_batch_size
+  rows = {k: jax.ShapeDtypeStruct((b, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+  x_spec = rows["image"]
+  k = OPTIMIZER_FACTOR[c.optimizer]
+  J = staged.num_stages
+  if executed:
+    act = 4.0 * staged.act_size(x_spec)
+    return analysis.workload([4.0 * staged.param_size] * J, [act] * J, J, optimizer_factor=k,
+                             boundary_bytes=act)
+  boundaries = [4.0 * sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
+                for spec in staged.boundary_specs(x_spec)[:-1]]
+  return analysis.workload([4.0 * s for s in staged.stage_param_sizes()],
+                           residual_bytes(model, variables, rows), J, optimizer_factor=k,
+                           boundary_bytes=boundaries)
+
+
+def predicted(strategy: str, c) -> dict:
+  """The cost model's busiest chip: peak bytes and collective result bytes per step."""
+  from cdpjax import analysis  # pylint: disable=g-import-not-at-top
+  w = workload(c, executed=STRATEGIES[strategy][1] != "data")
+  cost = analysis.cost(strategy, c.num_workers, w)
+  m = cost.per_device
+  return {"peak_bytes": m.peak, "params_bytes": m.params, "grads_bytes": m.grads,
+          "optimizer_bytes": m.optimizer, "buffers_bytes": m.buffers,
+          "activations_bytes": m.activations_peak,
+          "collective_bytes": sum(x.payload_bytes for x in cost.communication),
+          "workload": {"param_bytes": w.param_bytes, "activation_bytes": w.activation_bytes,
+                       "optimizer_factor": w.optimizer_factor}}
+
+
+def compile_point(out_dir, name, c, strategy, topology) -> dict:
+  """The compiled report of one point, from the cache when there."""
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  path = out_dir / "points" / f"{name}_{strategy}_{topology.replace(':', '_')}.json"
+  if path.exists():
+    return json.loads(path.read_text())
+  path.parent.mkdir(parents=True, exist_ok=True)
+  result = aot.compile_config(c, topology)
+  _common.write_json(path, result)
+  return result
+
+
+def row(name, strategy, topology, compiled, prediction) -> dict:
+  gib = 1 << 30
+  m = compiled["memory_per_chip"]
+  comm = sum(x["bytes"] for x in compiled["collectives"].values())
+  kinds = ", ".join(f"{k} x{v['count']}" for k, v in compiled["collectives"].items()
+                    if v["count"])
+  return {
+      "model": name, "topology": topology, "strategy": strategy,
+      "chips_used": compiled["devices_used"], "params_M": round(compiled["num_params"] / 1e6, 1),
+      "peak_GiB": m["peak_bytes"] / gib, "model_peak_GiB": prediction["peak_bytes"] / gib,
+      "peak_ratio": m["peak_bytes"] / prediction["peak_bytes"],
+      "argument_GiB": m["argument_bytes"] / gib, "temp_GiB": m["temp_bytes"] / gib,
+      "fits": compiled["fits"],
+      "collective_MiB": comm / (1 << 20), "model_collective_MiB":
+          prediction["collective_bytes"] / (1 << 20),
+      "collective_ratio": comm / prediction["collective_bytes"] if prediction["collective_bytes"]
+                          else float("nan"),
+      "collectives": kinds or "none",
+  }
+
+
+def largest_layers(c, strategy: str, hbm: float, num_stages: int) -> int:
+  """The most transformer layers (a multiple of ``J``) whose predicted peak fits ``hbm``.
+
+  Every memory term of the cost model is linear in the workload's bytes, and
+  those are affine in the number of layers: two workloads give the line.
+  """
+  peaks = {}
+  for layers in (num_stages, 2 * num_stages):
+    with c.unlocked():
+      c.model_kwargs.num_layers = layers
+    peaks[layers] = predicted(strategy, c)["peak_bytes"]
+  per_layer = (peaks[2 * num_stages] - peaks[num_stages]) / num_stages
+  fixed = peaks[num_stages] - num_stages * per_layer
+  return int((hbm - fixed) // per_layer) // num_stages * num_stages
+
+
+def print_table(rows):
+  columns = ("model", "topology", "strategy", "chips_used", "peak_GiB", "model_peak_GiB",
+             "peak_ratio", "collective_MiB", "model_collective_MiB", "collective_ratio")
+  print(" | ".join(columns))
+  for r in rows:
+    print(" | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in columns))
+
+
+def main(argv=None):
+  p = _common.parser("tpu_plan", __doc__)
+  p.add_argument("--strategies", nargs="+", choices=tuple(STRATEGIES), default=tuple(STRATEGIES))
+  args = p.parse_args(argv)
+  out = _common.results_dir(args)
+  plan = "quick" if args.quick else "full"
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  aot.quiet_libtpu(PLANS[plan][0][4])  # Before JAX starts.
+  # Each point cuts the model into stages by FLOPs, compiling its units on the CPU: once.
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+  rows, largest = [], []
+  for name, path, overrides, model_kwargs, topology in PLANS[plan]:
+    chip, chips = aot.parse_topology(topology)
+    for strategy in args.strategies:
+      c = point_config(path, overrides, model_kwargs, strategy, chips, NUM_STAGES[plan])
+      compiled = compile_point(out, name, c, strategy, topology)
+      rows.append(row(name, strategy, topology, compiled, predicted(strategy, c)))
+      print(f"{name} {strategy} {topology}: compiled", flush=True)
+      if c.model == "transformer":
+        for other in ("v5e:16x16", "v5p:8x8x4"):
+          hbm = aot.CHIP_HBM_BYTES[aot.parse_topology(other)[0]]
+          largest.append({"strategy": strategy, "topology": other,
+                          "largest_layers": largest_layers(c, strategy, hbm, NUM_STAGES[plan]),
+                          "d_model": c.model_kwargs.d_model})
+  result = {"rows": rows, "largest_transformer": largest,
+            "hbm_source": aot.HBM_SOURCE}
+  _common.write_json(out / "tpu_plan.json", result)
+  print_table(rows)
+  return result
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
