@@ -22,7 +22,7 @@ import time
 
 import _common
 
-BENCHES = ("bench_engine", "bench_pipeline", "bench_zero", "bench_overlap")
+BENCHES = ("bench_engine", "bench_pipeline", "bench_zero", "bench_overlap", "tpu_plan")
 DEVICE_COUNT = 8
 
 

@@ -189,16 +189,21 @@ def print_table(rows):
 def main(argv=None):
   p = _common.parser("tpu_plan", __doc__)
   p.add_argument("--strategies", nargs="+", choices=tuple(STRATEGIES), default=tuple(STRATEGIES))
+  p.add_argument("--models", nargs="+", help="Models of the plan to compile (default: all): "
+                 + ", ".join(entry[0] for plan in PLANS.values() for entry in plan))
   args = p.parse_args(argv)
   out = _common.results_dir(args)
   plan = "quick" if args.quick else "full"
+  entries = [e for e in PLANS[plan] if not args.models or e[0] in args.models]
+  if not entries:
+    raise SystemExit(f"No model of the {plan} plan among --models {args.models}.")
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
-  aot.quiet_libtpu(PLANS[plan][0][4])  # Before JAX starts.
+  aot.quiet_libtpu(entries[0][4])  # Before JAX starts.
   # Each point cuts the model into stages by FLOPs, compiling its units on the CPU: once.
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
   rows, largest = [], []
-  for name, path, overrides, model_kwargs, topology in PLANS[plan]:
+  for name, path, overrides, model_kwargs, topology in entries:
     chip, chips = aot.parse_topology(topology)
     for strategy in args.strategies:
       c = point_config(path, overrides, model_kwargs, strategy, chips, NUM_STAGES[plan])

@@ -160,8 +160,10 @@ def report(lowered, topology: str) -> dict:
 
   ``peak_bytes`` is XLA's argument + output + temp - alias estimate
   (`cdpjax.compiled.memory`); ``fits`` compares it with the chip's HBM
-  (`CHIP_HBM_BYTES`). Collective bytes are the sizes of the collectives'
-  results on one chip, summed over the step (`cdpjax.compiled.collectives`).
+  (`CHIP_HBM_BYTES`). Collectives are the collective instructions of the
+  compiled program with the bytes of their results on one chip
+  (`cdpjax.compiled.collectives`): an instruction inside a loop (the slot
+  scan of the executed timetables) or a branch is counted once.
   """
   from cdpjax import compiled  # pylint: disable=g-import-not-at-top
   program = lowered.compile()
@@ -221,7 +223,7 @@ def summary(result: dict) -> str:
         ("argument", "output", "temp", "alias", "peak")],
       f"  HBM             {_gib(result['hbm_per_chip_bytes'])}: "
       + ("fits" if result["fits"] else "DOES NOT FIT"),
-      "collectives per step (per chip):",
+      "collective instructions (per chip; one inside a loop counted once):",
       *[f"  {kind:<20} {c['count']:>5} ops {c['bytes'] / (1 << 20):>12.2f} MiB"
         for kind, c in result["collectives"].items() if c["count"]],
       f"FLOPs per chip {result['flops']:.4g}; compiler's optimal_seconds "
