@@ -1,6 +1,6 @@
 """Runs every benchmark and writes BENCHMARKS.md: their tables and the machine they ran on.
 
-Each ``experiments/bench_*.py`` of ``BENCHES`` runs as a subprocess with its
+Each script of ``BENCHES`` (``experiments/bench_*.py``, ``tpu_plan.py``) runs as a subprocess with its
 results folder flag (``--out_dir``, ``--results_dir`` or ``--out``, whichever
 it defines) pointing under ``--results_dir``, and ``--quick`` when given. The
 report holds, per benchmark, the table it printed and the rows of the JSON it

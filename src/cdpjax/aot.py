@@ -227,7 +227,9 @@ def summary(result: dict) -> str:
       *[f"  {kind:<20} {c['count']:>5} ops {c['bytes'] / (1 << 20):>12.2f} MiB"
         for kind, c in result["collectives"].items() if c["count"]],
       f"FLOPs per chip {result['flops']:.4g}; compiler's optimal_seconds "
-      f"{result['optimal_seconds']:.4g}",
+      + (f"{result['optimal_seconds']:.4g}" if result["optimal_seconds"] > 0 else
+         f"{result['optimal_seconds']:.4g} (no estimate: the compiler gives a non-positive "
+         "figure for some programs)"),
   ]
   if not any(c["count"] for c in result["collectives"].values()):
     lines.insert(-1, "  (none)")
