@@ -129,12 +129,14 @@ def predicted(strategy: str, c) -> dict:
                        "optimizer_factor": w.optimizer_factor}}
 
 
-def compile_point(out_dir, name, c, strategy, topology) -> dict:
-  """The compiled report of one point, from the cache when there."""
+def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> dict | None:
+  """The compiled report of one point, from the cache when there (else None if ``cached_only``)."""
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
   path = out_dir / "points" / f"{name}_{strategy}_{topology.replace(':', '_')}.json"
   if path.exists():
     return json.loads(path.read_text())
+  if cached_only:
+    return None
   path.parent.mkdir(parents=True, exist_ok=True)
   result = aot.compile_config(c, topology)
   _common.write_json(path, result)
@@ -191,6 +193,8 @@ def main(argv=None):
   p.add_argument("--strategies", nargs="+", choices=tuple(STRATEGIES), default=tuple(STRATEGIES))
   p.add_argument("--models", nargs="+", help="Models of the plan to compile (default: all): "
                  + ", ".join(entry[0] for plan in PLANS.values() for entry in plan))
+  p.add_argument("--cached_only", action="store_true",
+                 help="Tabulate the points compiled before (in --results_dir); compile none.")
   args = p.parse_args(argv)
   out = _common.results_dir(args)
   plan = "quick" if args.quick else "full"
@@ -202,12 +206,15 @@ def main(argv=None):
   # Each point cuts the model into stages by FLOPs, compiling its units on the CPU: once.
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-  rows, largest = [], []
+  rows, largest, missing = [], [], []
   for name, path, overrides, model_kwargs, topology in entries:
     chip, chips = aot.parse_topology(topology)
     for strategy in args.strategies:
       c = point_config(path, overrides, model_kwargs, strategy, chips, NUM_STAGES[plan])
-      compiled = compile_point(out, name, c, strategy, topology)
+      compiled = compile_point(out, name, c, strategy, topology, args.cached_only)
+      if compiled is None:
+        missing.append(f"{name} {strategy} {topology}")
+        continue
       rows.append(row(name, strategy, topology, compiled, predicted(strategy, c)))
       print(f"{name} {strategy} {topology}: compiled", flush=True)
       if c.model == "transformer":
@@ -216,10 +223,12 @@ def main(argv=None):
           largest.append({"strategy": strategy, "topology": other,
                           "largest_layers": largest_layers(c, strategy, hbm, NUM_STAGES[plan]),
                           "d_model": c.model_kwargs.d_model})
-  result = {"rows": rows, "largest_transformer": largest,
+  result = {"rows": rows, "largest_transformer": largest, "not_compiled": missing,
             "hbm_source": aot.HBM_SOURCE}
   _common.write_json(out / "tpu_plan.json", result)
   print_table(rows)
+  if missing:
+    print("not compiled (run without --cached_only):", "; ".join(missing))
   return result
 
 
