@@ -71,13 +71,13 @@ def residual_bytes(model, variables, batch_rows) -> float:
   params = variables["params"]
   state = {k: v for k, v in variables.items() if k != "params"}
 
-  def backward_of(p, batch):
+  def backward_of(p, state, batch):
     def loss(p):
       out = model.apply({"params": p, **state}, batch["image"], train=True,
                         mutable=list(state) or False)
       return tasks.cross_entropy(out[0] if state else out, batch["label"])
     return jax.vjp(loss, p)[1]
-  leaves = jax.tree.leaves(jax.eval_shape(backward_of, params, batch_rows))
+  leaves = jax.tree.leaves(jax.eval_shape(backward_of, params, state, batch_rows))
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   return max(0.0, sum(x.size * x.dtype.itemsize for x in leaves) - param_bytes)
 
