@@ -115,10 +115,13 @@ def workload(c, executed: bool):
                            boundary_bytes=boundaries)
 
 
-def predicted(strategy: str, c) -> dict:
-  """The cost model's busiest chip: peak bytes and collective result bytes per step."""
+def predicted(strategy: str, c, w=None) -> dict:
+  """The cost model's busiest chip: peak bytes and collective result bytes per step.
+
+  ``w``: the workload of ``c`` (`workload`), when already computed.
+  """
   from cdpjax import analysis  # pylint: disable=g-import-not-at-top
-  w = workload(c, executed=STRATEGIES[strategy][1] != "data")
+  w = w or workload(c, executed=STRATEGIES[strategy][1] != "data")
   cost = analysis.cost(strategy, c.num_workers, w)
   m = cost.per_device
   return {"peak_bytes": m.peak, "params_bytes": m.params, "grads_bytes": m.grads,
@@ -164,8 +167,8 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
   }
 
 
-def largest_layers(c, strategy: str, hbm: float, num_stages: int) -> int:
-  """The most transformer layers (a multiple of ``J``) whose predicted peak fits ``hbm``.
+def peak_line(c, strategy: str, num_stages: int) -> tuple[float, float]:
+  """``(fixed, per_layer)``: the predicted peak of ``c`` is ``fixed + layers * per_layer``.
 
   Every memory term of the cost model is linear in the workload's bytes, and
   those are affine in the number of layers: two workloads give the line.
@@ -176,7 +179,12 @@ def largest_layers(c, strategy: str, hbm: float, num_stages: int) -> int:
       c.model_kwargs.num_layers = layers
     peaks[layers] = predicted(strategy, c)["peak_bytes"]
   per_layer = (peaks[2 * num_stages] - peaks[num_stages]) / num_stages
-  fixed = peaks[num_stages] - num_stages * per_layer
+  return peaks[num_stages] - num_stages * per_layer, per_layer
+
+
+def largest_layers(line, hbm: float, num_stages: int) -> int:
+  """The most layers (a multiple of ``J``) whose predicted peak fits ``hbm``."""
+  fixed, per_layer = line
   return int((hbm - fixed) // per_layer) // num_stages * num_stages
 
 
@@ -206,23 +214,31 @@ def main(argv=None):
   # Each point cuts the model into stages by FLOPs, compiling its units on the CPU: once.
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-  rows, largest, missing = [], [], []
+  rows, largest, missing, workloads = [], [], [], {}
   for name, path, overrides, model_kwargs, topology in entries:
     chip, chips = aot.parse_topology(topology)
     for strategy in args.strategies:
       c = point_config(path, overrides, model_kwargs, strategy, chips, NUM_STAGES[plan])
+      if c.model == "transformer":  # From the cost model alone: no compile.
+        line = peak_line(c.copy_and_resolve_references(), strategy, NUM_STAGES[plan])
+        for other in ("v5e:16x16", "v5p:8x8x4"):
+          hbm = aot.CHIP_HBM_BYTES[aot.parse_topology(other)[0]]
+          layers = largest_layers(line, hbm, NUM_STAGES[plan])
+          per_layer_params = 12 * c.model_kwargs.d_model ** 2  # Attention 4 d^2, MLP 8 d^2.
+          largest.append({"strategy": strategy, "topology": other, "largest_layers": layers,
+                          "d_model": c.model_kwargs.d_model,
+                          "params_B": round(layers * per_layer_params / 1e9, 2),
+                          "predicted_GiB_per_layer": line[1] / (1 << 30)})
       compiled = compile_point(out, name, c, strategy, topology, args.cached_only)
       if compiled is None:
         missing.append(f"{name} {strategy} {topology}")
         continue
-      rows.append(row(name, strategy, topology, compiled, predicted(strategy, c)))
+      executed = STRATEGIES[strategy][1] != "data"  # The same workload for every rule.
+      if (name, executed) not in workloads:
+        workloads[name, executed] = workload(c, executed)
+      rows.append(row(name, strategy, topology, compiled,
+                      predicted(strategy, c, workloads[name, executed])))
       print(f"{name} {strategy} {topology}: compiled", flush=True)
-      if c.model == "transformer":
-        for other in ("v5e:16x16", "v5p:8x8x4"):
-          hbm = aot.CHIP_HBM_BYTES[aot.parse_topology(other)[0]]
-          largest.append({"strategy": strategy, "topology": other,
-                          "largest_layers": largest_layers(c, strategy, hbm, NUM_STAGES[plan]),
-                          "d_model": c.model_kwargs.d_model})
   result = {"rows": rows, "largest_transformer": largest, "not_compiled": missing,
             "hbm_source": aot.HBM_SOURCE}
   _common.write_json(out / "tpu_plan.json", result)
