@@ -12,8 +12,11 @@ per-chip peak memory and collective bytes per step next to the cost model's
 
 Strategies: DP, CDP-v1 and CDP-v2 on the engine (one worker per chip: ``N``
 = the topology's chips), GPipe and CDP+MP (the executed pipeline), ZeRO-3 and
-CDP+ZeRO (``N = J = 4`` chips: the executed timetables run one pipeline or
-ring; on a pod, the other chips would hold replicas of it).
+CDP+ZeRO (``N = J = 4`` chips). The executed timetables run one pipeline or
+ring (on a pod, the other chips would hold replicas of it, a 2-D mesh not
+built here), and the TPU compiler compiles a multi-host slice's program for
+all of its chips, so they are compiled for the 4-chip slice one pipeline
+occupies (``STAGE_SLICE``: v5e:2x2, v5p:2x2x1).
 
 Each compiled point is cached as JSON in ``--results_dir/points`` and is not
 compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead.
@@ -45,6 +48,10 @@ PLANS = {
     ],
     "quick": [("digits-mlp", "configs/digits.py", {}, {}, "v5e:2x4")],
 }
+# The executed timetables use J = 4 chips. The TPU compiler compiles a program of a
+# multi-host slice for all its chips, so they compile for the slice of J chips that
+# one pipeline (or ring) of the pod occupies.
+STAGE_SLICE = {"v5e:16x16": "v5e:2x2", "v5p:8x8x4": "v5p:2x2x1", "v5e:2x4": "v5e:2x4"}
 NUM_STAGES = {"full": 4, "quick": 2}
 OPTIMIZER_FACTOR = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}  # Optimizer bytes per parameter byte.
 
@@ -215,10 +222,13 @@ def main(argv=None):
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
   rows, largest, missing, workloads = [], [], [], {}
-  for name, path, overrides, model_kwargs, topology in entries:
-    chip, chips = aot.parse_topology(topology)
+  for name, path, overrides, model_kwargs, pod in entries:
+    chips = aot.parse_topology(pod)[1]
     for strategy in args.strategies:
+      topology = pod
       c = point_config(path, overrides, model_kwargs, strategy, chips, NUM_STAGES[plan])
+      if STRATEGIES[strategy][1] != "data":
+        topology = STAGE_SLICE[pod]
       if c.model == "transformer":  # From the cost model alone: no compile.
         line = peak_line(c.copy_and_resolve_references(), strategy, NUM_STAGES[plan])
         for other in ("v5e:16x16", "v5p:8x8x4"):

@@ -14,7 +14,9 @@ Nothing is executed.
 
 The mesh is the one ``cdpjax-train`` builds (`cdpjax.train.make_mesh`): one
 axis of ``num_workers`` devices (``num_stages`` for ``parallelism=model``), on
-the first chips of the topology; chips beyond it are not used by the program.
+the first chips of the topology. The TPU compiler compiles the program of a
+multi-host slice for all its chips: there, the mesh must use every chip (a
+``ValueError`` says so); a single-host slice such as ``v5e:2x4`` takes fewer.
 """
 from __future__ import annotations
 
@@ -166,7 +168,16 @@ def report(lowered, topology: str) -> dict:
   scan of the executed timetables) or a branch is counted once.
   """
   from cdpjax import compiled  # pylint: disable=g-import-not-at-top
-  program = lowered.compile()
+  try:
+    program = lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
+    if "should include all slice devices" not in str(e):
+      raise
+    raise ValueError(
+        f"The TPU compiler compiles for every chip of a multi-host slice, and this step uses "
+        f"fewer than the {parse_topology(topology)[1]} chips of {topology}. Use a topology "
+        "with as many chips as the mesh (e.g. v5e:2x2 for 4 stages), or set num_workers to "
+        "the chip count (parallelism=data).") from e
   memory = compiled.memory(program)
   analysis = program.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
