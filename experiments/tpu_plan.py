@@ -14,9 +14,9 @@ Strategies: DP, CDP-v1 and CDP-v2 on the engine (one worker per chip: ``N``
 = the topology's chips), GPipe and CDP+MP (the executed pipeline), ZeRO-3 and
 CDP+ZeRO (``N = J = 4`` chips). The executed timetables run one pipeline or
 ring (on a pod, the other chips would hold replicas of it, a 2-D mesh not
-built here), and the TPU compiler compiles a multi-host slice's program for
-all of its chips, so they are compiled for the 4-chip slice one pipeline
-occupies (``STAGE_SLICE``: v5e:2x2, v5p:2x2x1).
+built here), and the TPU compiler compiles a full pod's program for all of
+its chips, so they are compiled for the 4-chip slice one pipeline occupies
+(``STAGE_SLICE``: v5e:2x2, v5p:2x2x1).
 
 Each compiled point is cached as JSON in ``--results_dir/points`` and is not
 compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead.
@@ -49,8 +49,8 @@ PLANS = {
     "quick": [("digits-mlp", "configs/digits.py", {}, {}, "v5e:2x4")],
 }
 # The executed timetables use J = 4 chips. The TPU compiler compiles a program of a
-# multi-host slice for all its chips, so they compile for the slice of J chips that
-# one pipeline (or ring) of the pod occupies.
+# full pod for all its chips, so they compile for the slice of J chips that one
+# pipeline (or ring) of the pod occupies.
 STAGE_SLICE = {"v5e:16x16": "v5e:2x2", "v5p:8x8x4": "v5p:2x2x1", "v5e:2x4": "v5e:2x4"}
 NUM_STAGES = {"full": 4, "quick": 2}
 OPTIMIZER_FACTOR = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}  # Optimizer bytes per parameter byte.

@@ -14,9 +14,9 @@ Nothing is executed.
 
 The mesh is the one ``cdpjax-train`` builds (`cdpjax.train.make_mesh`): one
 axis of ``num_workers`` devices (``num_stages`` for ``parallelism=model``), on
-the first chips of the topology. The TPU compiler compiles the program of a
-multi-host slice for all its chips: there, the mesh must use every chip (a
-``ValueError`` says so); a single-host slice such as ``v5e:2x4`` takes fewer.
+the first chips of the topology. For a full pod (``v5e:16x16``) the TPU
+compiler compiles for all its chips, so the mesh must use every chip (a
+``ValueError`` says so); smaller slices such as ``v5e:2x4`` take fewer.
 """
 from __future__ import annotations
 
@@ -174,8 +174,8 @@ def report(lowered, topology: str) -> dict:
     if "should include all slice devices" not in str(e):
       raise
     raise ValueError(
-        f"The TPU compiler compiles for every chip of a multi-host slice, and this step uses "
-        f"fewer than the {parse_topology(topology)[1]} chips of {topology}. Use a topology "
+        f"The TPU compiler compiles for every chip of {topology}, and this step uses fewer "
+        f"than its {parse_topology(topology)[1]} chips. Use a topology "
         "with as many chips as the mesh (e.g. v5e:2x2 for 4 stages), or set num_workers to "
         "the chip count (parallelism=data).") from e
   memory = compiled.memory(program)
