@@ -135,9 +135,9 @@ class StagedModel:
     """``([J, P], [J, M])`` float32 host arrays in stage order (traced under ``jax.eval_shape``)."""
     stack = jnp.stack if _traced((params, model_state)) else np.stack
     p = stack([layout.pack({u: params[u] for u in units}, self.param_size)
-                  for layout, units in zip(self._param_layouts, self.units)])
+               for layout, units in zip(self._param_layouts, self.units)])
     s = stack([layout.pack(self._stage_state(model_state, units), self.state_size)
-                  for layout, units in zip(self._state_layouts, self.units)])
+               for layout, units in zip(self._state_layouts, self.units)])
     return p, s
 
   def unpack(self, params_JxP, state_JxM=None) -> dict:
