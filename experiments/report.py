@@ -1,6 +1,6 @@
 """Runs every benchmark and writes BENCHMARKS.md: their tables and the machine they ran on.
 
-Each ``experiments/bench_*.py`` of ``BENCHES`` runs as a subprocess with its
+Each script of ``BENCHES`` (``experiments/bench_*.py``, ``tpu_plan.py``) runs as a subprocess with its
 results folder flag (``--out_dir``, ``--results_dir`` or ``--out``, whichever
 it defines) pointing under ``--results_dir``, and ``--quick`` when given. The
 report holds, per benchmark, the table it printed and the rows of the JSON it
@@ -9,6 +9,7 @@ wrote; a benchmark that does not exist yet or fails gets a section saying so.
   python experiments/report.py                 # full benchmarks -> BENCHMARKS.md
   python experiments/report.py --quick --output /tmp/BENCHMARKS.md
   python experiments/report.py --benches bench_overlap   # rerun one, keep the other sections
+  python experiments/report.py --benches tpu_plan --bench_args=--cached_only  # compiled points only
 """
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 import time
 
 import _common
 
-BENCHES = ("bench_engine", "bench_pipeline", "bench_zero", "bench_overlap")
+BENCHES = ("bench_engine", "bench_pipeline", "bench_zero", "bench_overlap", "tpu_plan")
 DEVICE_COUNT = 8
 
 
@@ -36,10 +38,12 @@ def bench_env() -> dict:
   return env
 
 
-def run_bench(script: pathlib.Path, out: pathlib.Path, quick: bool, timeout: float) -> dict:
+def run_bench(script: pathlib.Path, out: pathlib.Path, quick: bool, timeout: float,
+              extra_args: str = "") -> dict:
   """Runs one benchmark; returns its status, printed output and JSON files."""
   out.mkdir(parents=True, exist_ok=True)
-  cmd = [sys.executable, str(script), "--results_dir", str(out)] + (["--quick"] if quick else [])
+  cmd = ([sys.executable, str(script), "--results_dir", str(out)] + (["--quick"] if quick else [])
+         + shlex.split(extra_args))
   start = time.time()
   try:
     proc = subprocess.run(cmd, cwd=_common.REPO, env=bench_env(), capture_output=True, text=True,
@@ -117,6 +121,8 @@ def main(argv=None) -> str:
   p.add_argument("--timeout", type=float, default=3600, help="Seconds per benchmark.")
   p.add_argument("--benches", nargs="+", choices=BENCHES, default=BENCHES,
                  help="Benchmarks to run; the sections of the others are kept from --output.")
+  p.add_argument("--bench_args", default="",
+                 help="More arguments for the benchmarks run, e.g. --cached_only for tpu_plan.")
   args = p.parse_args(argv)
   kept = previous_sections(pathlib.Path(args.output))
   out = _common.results_dir(args)
@@ -133,7 +139,8 @@ def main(argv=None) -> str:
       parts.append(kept[name])
       continue
     script = pathlib.Path(args.bench_dir) / f"{name}.py"
-    result = run_bench(script, out / name, args.quick, args.timeout) if script.exists() else None
+    result = (run_bench(script, out / name, args.quick, args.timeout, args.bench_args)
+              if script.exists() else None)
     print(f"{name}: " + ("missing" if result is None else "ok" if result["ok"] else "FAILED"),
           flush=True)
     parts.append(section(name, script, result))

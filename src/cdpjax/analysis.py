@@ -491,7 +491,7 @@ def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") ->
   ``Communication`` is the average device's.
   """
   _check_cyclic_square("cdp+zero", n, w)
-  J, P, k = w.num_stages, w.param_bytes, w.optimizer_factor
+  J, k = w.num_stages, w.optimizer_factor
   events, window = _steady_timeline(rule, n, J, executed=True)
   prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.worker, n,
                                   window, n)

@@ -134,6 +134,21 @@ def check_versions(state, plan: RulePlan) -> None:
         "or use a fresh --workdir.")
 
 
+def place(tree, sharding):
+  """``jax.device_put(tree, sharding)``; abstract inputs (``jax.ShapeDtypeStruct``) get the sharding.
+
+  Abstract inputs let ``Executor.lower`` compile ahead of time for devices
+  this host does not have (`cdpjax.aot`). ``sharding`` is one sharding or a
+  tree of them matching ``tree``.
+  """
+  if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+    return jax.device_put(tree, sharding)
+  if isinstance(sharding, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      sharding)
+
+
 class Executor(NamedTuple):
   """How one parallelism runs one rule; see the module docstring."""
   init: Callable[..., Any]

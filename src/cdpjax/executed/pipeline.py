@@ -60,7 +60,7 @@ from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.plan import BWD, FWD
-from cdpjax.executed.staged import StagedModel, vary as _vary
+from cdpjax.executed.staged import StagedModel, steps_batch, vary as _vary
 
 TIMETABLES = ("cyclic", "gpipe", "dp+mp")
 STAGE_AXIS = "stage"
@@ -392,26 +392,9 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
 
   def prepare(state: StagedState, batch):
     executor_lib.check_versions(state, plan)
-    if not isinstance(batch, dict) or set(batch) != {"image", "label"}:
-      raise ValueError("The batch must be a dict with keys 'image' [N*b, ...] and 'label' "
-                       "[N*b, ...].")
-    batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
-    if scan_steps is None:
-      batch = {k: v[None] for k, v in batch.items()}
-    elif any(v.ndim < 2 or v.shape[0] != scan_steps for v in batch.values()):
-      raise ValueError(f"With scan_steps={scan_steps} batch leaves need shape "
-                       f"[{scan_steps}, N*b, ...]; got {[v.shape for v in batch.values()]}.")
-    rows = batch["image"].shape[1]
-    if batch["label"].shape[:2] != (tt.num_steps, rows):
-      raise ValueError(f"label must have shape [N*b, ...] matching image rows {rows}; got "
-                       f"{batch['label'].shape}.")
-    if rows % num_micro or rows == 0:
-      replicas = (f" ({num_micro // per_replica} replicas x {per_replica}, replica-major)"
-                  if tt.replica_axis == REPLICA_AXIS else "")
-      raise ValueError(f"Batch size {rows} is not divisible by the N={num_micro} micro-batches"
-                       f"{replicas}: use N * b rows (micro-batch i = rows i*b:(i+1)*b).")
-    state = jax.device_put(state, _state_sharding(mesh, state))
-    return state, jax.device_put(batch, NamedSharding(mesh, batch_spec))
+    batch = steps_batch(batch, scan_steps, num_micro)
+    state = executor_lib.place(state, _state_sharding(mesh, state))
+    return state, executor_lib.place(batch, NamedSharding(mesh, batch_spec))
 
   def finish(raw):
     # Per device [J, K], or [R, J, K] with replicas; replicated outside the step, so

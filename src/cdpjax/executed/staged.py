@@ -49,6 +49,8 @@ class _Layout:
     self.size = sum(math.prod(s) for s in self.shapes)
 
   def pack(self, tree, size: int) -> np.ndarray:
+    if _traced(tree):  # Under jax.eval_shape (ahead-of-time compiling): shapes, no host copy.
+      return _flatten_act(tree, size) if self.shapes else jnp.zeros((size,), jnp.float32)
     flat = np.zeros((size,), np.float32)
     offset = 0
     for leaf, shape in zip(jax.tree.leaves(tree), self.shapes):
@@ -62,6 +64,10 @@ class _Layout:
       leaves.append(flat[offset:offset + math.prod(shape)].reshape(shape))
       offset += math.prod(shape)
     return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _traced(tree) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _flatten_act(tree, size: int):
@@ -126,11 +132,12 @@ class StagedModel:
   # -- Host-side packing. -----------------------------------------------------
 
   def pack(self, params, model_state=None) -> tuple[np.ndarray, np.ndarray]:
-    """``([J, P], [J, M])`` float32 host arrays in stage order."""
-    p = np.stack([layout.pack({u: params[u] for u in units}, self.param_size)
-                  for layout, units in zip(self._param_layouts, self.units)])
-    s = np.stack([layout.pack(self._stage_state(model_state, units), self.state_size)
-                  for layout, units in zip(self._state_layouts, self.units)])
+    """``([J, P], [J, M])`` float32 host arrays in stage order (traced under ``jax.eval_shape``)."""
+    stack = jnp.stack if _traced((params, model_state)) else np.stack
+    p = stack([layout.pack({u: params[u] for u in units}, self.param_size)
+               for layout, units in zip(self._param_layouts, self.units)])
+    s = stack([layout.pack(self._stage_state(model_state, units), self.state_size)
+               for layout, units in zip(self._state_layouts, self.units)])
     return p, s
 
   def unpack(self, params_JxP, state_JxM=None) -> dict:
@@ -343,3 +350,30 @@ def padding_report(staged: StagedModel, x_spec) -> dict:
           "param_padding_ratio": staged.param_size * len(sizes) / sum(sizes),
           "boundary_bytes": [4 * a for a in acts],
           "padded_boundary_bytes": 4 * staged.act_size(x_spec)}
+
+
+def steps_batch(batch, scan_steps: int | None, num_micro: int) -> dict:
+  """``batch`` with a leading steps axis ``[K, N*b, ...]`` (``[1, ...]`` for one step), checked.
+
+  The executed schedules' input: ``{"image", "label"}`` of ``N*b`` rows each,
+  micro-batch ``i`` = rows ``i*b:(i+1)*b``; abstract leaves
+  (``jax.ShapeDtypeStruct``, `cdpjax.aot`) keep their abstract form.
+  """
+  if not isinstance(batch, dict) or set(batch) != {"image", "label"}:
+    raise ValueError("The batch must be a dict with keys 'image' [N*b, ...] and 'label' "
+                     "[N*b, ...].")
+  batch = {k: v if isinstance(v, (jax.Array, jax.ShapeDtypeStruct)) else np.asarray(v)
+           for k, v in batch.items()}
+  if scan_steps is None:
+    batch = {k: jax.ShapeDtypeStruct((1, *v.shape), v.dtype)
+             if isinstance(v, jax.ShapeDtypeStruct) else v[None] for k, v in batch.items()}
+  elif any(len(v.shape) < 2 or v.shape[0] != scan_steps for v in batch.values()):
+    raise ValueError(f"With scan_steps={scan_steps} batch leaves need shape "
+                     f"[{scan_steps}, N*b, ...]; got {[tuple(v.shape) for v in batch.values()]}.")
+  rows = batch["image"].shape[1]
+  if batch["label"].shape[1] != rows or rows == 0 or rows % num_micro:
+    raise ValueError(
+        f"Batch of {rows} images and {batch['label'].shape[1]} labels is not divisible by the "
+        f"N={num_micro} micro-batches: use N * b rows for both (num_workers * b rows; "
+        "micro-batch i = rows i*b:(i+1)*b, replica-major with replicas).")
+  return batch

@@ -65,7 +65,7 @@ from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.pipeline import StagedState, replicated
-from cdpjax.executed.staged import StagedModel, vary
+from cdpjax.executed.staged import StagedModel, steps_batch, vary
 
 AXIS = "data"
 REPLICA = "replica"
@@ -474,9 +474,9 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
       raise ValueError(
           f"The state holds stage buffers {np.shape(state.params)}, the step expects "
           f"({num_workers}, {staged.param_size}): build both from the same staged model and mesh.")
-    batch = _steps_batch(batch, scan_steps, num_workers * num_replicas)
-    batch = jax.device_put(batch, NamedSharding(mesh, batch_spec))
-    return jax.device_put(state, _shardings(state, mesh, plan.timetable)), batch
+    batch = steps_batch(batch, scan_steps, num_workers * num_replicas)
+    batch = executor_lib.place(batch, NamedSharding(mesh, batch_spec))
+    return executor_lib.place(state, _shardings(state, mesh, plan.timetable)), batch
 
   def step(state, batch, norms=True):
     del norms  # The norms ride the owners' update; they cost no extra pass here.
@@ -507,26 +507,6 @@ def _resolve(rule, timetable, num_workers) -> executor_lib.RulePlan:
     raise ValueError(f"Rule {rule!r} has no delays and is not causal on the cyclic timetable: "
                      "use timetable='zero3' (or leave timetable unset) for dp.")
   return plan._replace(timetable=timetable)
-
-
-def _steps_batch(batch, scan_steps, num_rows_split: int) -> dict:
-  """``batch`` with a leading steps axis ``[K, R*N*b, ...]``, checked."""
-  if not isinstance(batch, dict) or set(batch) != {"image", "label"}:
-    raise ValueError("batch must be a dict with keys 'image' and 'label'.")
-  batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
-  if scan_steps is None:
-    batch = {k: v[None] for k, v in batch.items()}
-  elif any(len(v.shape) < 2 or v.shape[0] != scan_steps for v in batch.values()):
-    raise ValueError(f"With scan_steps={scan_steps} batch leaves need shape "
-                     f"[{scan_steps}, num_workers * b, ...]; got "
-                     f"{[tuple(v.shape) for v in batch.values()]}.")
-  size = batch["label"].shape[1]
-  if size == 0 or size % num_rows_split or batch["image"].shape[1] != size:
-    raise ValueError(
-        f"Batch of {batch['image'].shape[1]} images and {size} labels: use "
-        f"num_workers * b rows for both ({num_rows_split} workers; worker i gets rows "
-        "i*b:(i+1)*b).")
-  return batch
 
 
 def _metrics(rows, num_replicas: int, num_workers: int) -> dict:

@@ -1,0 +1,262 @@
+"""The paper's memory and communication claims on the TPU compiler, at pod scale.
+
+Compiles (ahead of time, `cdpjax.aot`: libtpu on this CPU host, nothing runs)
+the training step of each strategy for a TPU topology, and puts the compiled
+per-chip peak memory and collective bytes per step next to the cost model's
+(`cdpjax.analysis`) predictions, with their ratio:
+
+- ResNet-50 at the ImageNet recipe (batch 32 per worker, SGD with momentum,
+  ``J = 4`` stages split by FLOPs) on v5e:16x16 (v5e-256);
+- a transformer of about 1B parameters (byte-level, ``d_model`` 2048, 20
+  layers, sequences of 1024, AdamW, 4 rows per worker) on v5p:8x8x4 (v5p-256).
+
+Strategies: DP, CDP-v1 and CDP-v2 on the engine (one worker per chip: ``N``
+= the topology's chips), GPipe and CDP+MP (the executed pipeline), ZeRO-3 and
+CDP+ZeRO (``N = J = 4`` chips). The executed timetables run one pipeline or
+ring (on a pod, the other chips would hold replicas of it, a 2-D mesh not
+built here), and the TPU compiler compiles a full pod's program for all of
+its chips, so they are compiled for the 4-chip slice one pipeline occupies
+(``STAGE_SLICE``: v5e:2x2, v5p:2x2x1).
+
+Each compiled point is cached as JSON in ``--results_dir/points`` and is not
+compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead.
+
+  python experiments/tpu_plan.py                  # minutes to hours on 2 cores
+  python experiments/tpu_plan.py --quick --results_dir /tmp/tpu_plan
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import _common
+
+STRATEGIES = {  # The cost model's name: (rule, parallelism).
+    "dp": ("dp", "data"), "cdp-v1": ("cdp-v1", "data"), "cdp-v2": ("cdp-v2", "data"),
+    "gpipe": ("dp", "model"), "cdp+mp": ("cdp-v2", "model"),
+    "zero-3": ("dp", "zero"), "cdp+zero": ("cdp-v2", "zero"),
+}
+TRANSFORMER_1B = dict(num_layers=20, d_model=2048, num_heads=16, d_ff=8192, seq_len=1024)
+PLANS = {
+    "full": [
+        # (name, config, overrides, model_kwargs, topology)
+        ("resnet50", "configs/imagenet_resnet50.py", {}, {}, "v5e:16x16"),
+        ("transformer-1b", "configs/lm.py:size=base", {"per_worker_batch_size": 4},
+         TRANSFORMER_1B, "v5p:8x8x4"),
+    ],
+    "quick": [("digits-mlp", "configs/digits.py", {}, {}, "v5e:2x4")],
+}
+# The executed timetables use J = 4 chips. The TPU compiler compiles a program of a
+# full pod for all its chips, so they compile for the slice of J chips that one
+# pipeline (or ring) of the pod occupies.
+STAGE_SLICE = {"v5e:16x16": "v5e:2x2", "v5p:8x8x4": "v5p:2x2x1", "v5e:2x4": "v5e:2x4"}
+NUM_STAGES = {"full": 4, "quick": 2}
+OPTIMIZER_FACTOR = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}  # Optimizer bytes per parameter byte.
+
+
+def point_config(path, overrides, model_kwargs, strategy, chips, num_stages):
+  """The config of one strategy: the engine on every chip, the executed timetables on ``J``."""
+  from cdpjax import config as config_lib  # pylint: disable=g-import-not-at-top
+  file, _, arg = path.partition(":")
+  rule, parallelism = STRATEGIES[strategy]
+  workers = chips if parallelism == "data" else num_stages
+  c = config_lib.load(os.path.join(_common.REPO, file), arg or None, **overrides)
+  with c.unlocked():
+    c.rule, c.parallelism, c.num_workers, c.num_stages = rule, parallelism, workers, num_stages
+    c.eval_batch_size = workers
+    c.grad_clip_norm = 0.0  # The executed timetables do not clip; the same optimizer for all.
+    c.model_kwargs.update(model_kwargs)
+  return c
+
+
+def residual_bytes(model, variables, batch_rows) -> float:
+  """Bytes ``jax.vjp`` keeps from one worker's forward for its backward, parameters excluded."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from cdpjax import tasks  # pylint: disable=g-import-not-at-top
+  params = variables["params"]
+  state = {k: v for k, v in variables.items() if k != "params"}
+
+  def backward_of(p, state, batch):
+    def loss(p):
+      out = model.apply({"params": p, **state}, batch["image"], train=True,
+                        mutable=list(state) or False)
+      return tasks.cross_entropy(out[0] if state else out, batch["label"])
+    return jax.vjp(loss, p)[1]
+  leaves = jax.tree.leaves(jax.eval_shape(backward_of, params, state, batch_rows))
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  return max(0.0, sum(x.size * x.dtype.itemsize for x in leaves) - param_bytes)
+
+
+def workload(c, executed: bool):
+  """The cost model's ``Workload`` of config ``c``, as the compiled program lays it out.
+
+  The executed timetables keep every stage in a flat float32 buffer padded to
+  the largest stage, recompute a stage's forward in its backward (so a stage
+  keeps its input, padded to the largest boundary) and send padded
+  boundaries; the engine keeps the unpadded stages and ``jax.vjp``'s residuals.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from cdpjax import aot, analysis, train  # pylint: disable=g-import-not-at-top
+  from cdpjax.executed import staged as staged_lib  # pylint: disable=g-import-not-at-top
+  model, sample, batch = aot._model_and_batch(c)  # pylint: disable=protected-access
+  variables = jax.eval_shape(lambda k: model.init(k, sample, train=False), jax.random.key(0))
+  params = variables["params"]
+  model_state = {k: v for k, v in variables.items() if k != "params"} or None
+  staged = staged_lib.stage_model(model, params, train.model_stage_ids(c, model, params, sample),
+                                  sample, model_state=model_state)
+  b = c.per_worker_batch_size
+  rows = {k: jax.ShapeDtypeStruct((b, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+  x_spec = rows["image"]
+  k = OPTIMIZER_FACTOR[c.optimizer]
+  J = staged.num_stages
+  if executed:
+    act = 4.0 * staged.act_size(x_spec)
+    return analysis.workload([4.0 * staged.param_size] * J, [act] * J, J, optimizer_factor=k,
+                             boundary_bytes=act)
+  boundaries = [4.0 * sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
+                for spec in staged.boundary_specs(x_spec)[:-1]]
+  return analysis.workload([4.0 * s for s in staged.stage_param_sizes()],
+                           residual_bytes(model, variables, rows), J, optimizer_factor=k,
+                           boundary_bytes=boundaries)
+
+
+def predicted(strategy: str, c, w=None) -> dict:
+  """The cost model's busiest chip: peak bytes and collective result bytes per step.
+
+  ``w``: the workload of ``c`` (`workload`), when already computed.
+  """
+  from cdpjax import analysis  # pylint: disable=g-import-not-at-top
+  w = w or workload(c, executed=STRATEGIES[strategy][1] != "data")
+  cost = analysis.cost(strategy, c.num_workers, w)
+  m = cost.per_device
+  return {"peak_bytes": m.peak, "params_bytes": m.params, "grads_bytes": m.grads,
+          "optimizer_bytes": m.optimizer, "buffers_bytes": m.buffers,
+          "activations_bytes": m.activations_peak,
+          "collective_bytes": sum(x.payload_bytes for x in cost.communication),
+          "workload": {"param_bytes": w.param_bytes, "activation_bytes": w.activation_bytes,
+                       "optimizer_factor": w.optimizer_factor}}
+
+
+def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> dict | None:
+  """The compiled report of one point, from the cache when there (else None if ``cached_only``)."""
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  path = out_dir / "points" / f"{name}_{strategy}_{topology.replace(':', '_')}.json"
+  if path.exists():
+    return json.loads(path.read_text())
+  if cached_only:
+    return None
+  path.parent.mkdir(parents=True, exist_ok=True)
+  result = aot.compile_config(c, topology)
+  _common.write_json(path, result)
+  return result
+
+
+def row(name, strategy, topology, compiled, prediction) -> dict:
+  gib = 1 << 30
+  m = compiled["memory_per_chip"]
+  comm = sum(x["bytes"] for x in compiled["collectives"].values())
+  kinds = ", ".join(f"{k} x{v['count']}" for k, v in compiled["collectives"].items()
+                    if v["count"])
+  return {
+      "model": name, "topology": topology, "strategy": strategy,
+      "chips_used": compiled["devices_used"], "params_M": round(compiled["num_params"] / 1e6, 1),
+      "peak_GiB": m["peak_bytes"] / gib, "model_peak_GiB": prediction["peak_bytes"] / gib,
+      "peak_ratio": m["peak_bytes"] / prediction["peak_bytes"],
+      "argument_GiB": m["argument_bytes"] / gib, "temp_GiB": m["temp_bytes"] / gib,
+      "fits": compiled["fits"],
+      "collective_MiB": comm / (1 << 20), "model_collective_MiB":
+          prediction["collective_bytes"] / (1 << 20),
+      "collective_ratio": comm / prediction["collective_bytes"] if prediction["collective_bytes"]
+                          else float("nan"),
+      "collectives": kinds or "none",
+  }
+
+
+def peak_line(c, strategy: str, num_stages: int) -> tuple[float, float]:
+  """``(fixed, per_layer)``: the predicted peak of ``c`` is ``fixed + layers * per_layer``.
+
+  Every memory term of the cost model is linear in the workload's bytes, and
+  those are affine in the number of layers: two workloads give the line.
+  """
+  peaks = {}
+  for layers in (num_stages, 2 * num_stages):
+    with c.unlocked():
+      c.model_kwargs.num_layers = layers
+    peaks[layers] = predicted(strategy, c)["peak_bytes"]
+  per_layer = (peaks[2 * num_stages] - peaks[num_stages]) / num_stages
+  return peaks[num_stages] - num_stages * per_layer, per_layer
+
+
+def largest_layers(line, hbm: float, num_stages: int) -> int:
+  """The most layers (a multiple of ``J``) whose predicted peak fits ``hbm``."""
+  fixed, per_layer = line
+  return int((hbm - fixed) // per_layer) // num_stages * num_stages
+
+
+def print_table(rows):
+  columns = ("model", "topology", "strategy", "chips_used", "peak_GiB", "model_peak_GiB",
+             "peak_ratio", "collective_MiB", "model_collective_MiB", "collective_ratio")
+  print(" | ".join(columns))
+  for r in rows:
+    print(" | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in columns))
+
+
+def main(argv=None):
+  p = _common.parser("tpu_plan", __doc__)
+  p.add_argument("--strategies", nargs="+", choices=tuple(STRATEGIES), default=tuple(STRATEGIES))
+  p.add_argument("--models", nargs="+", help="Models of the plan to compile (default: all): "
+                 + ", ".join(entry[0] for plan in PLANS.values() for entry in plan))
+  p.add_argument("--cached_only", action="store_true",
+                 help="Tabulate the points compiled before (in --results_dir); compile none.")
+  args = p.parse_args(argv)
+  out = _common.results_dir(args)
+  plan = "quick" if args.quick else "full"
+  entries = [e for e in PLANS[plan] if not args.models or e[0] in args.models]
+  if not entries:
+    raise SystemExit(f"No model of the {plan} plan among --models {args.models}.")
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  aot.quiet_libtpu(entries[0][4])  # Before JAX starts.
+  # Each point cuts the model into stages by FLOPs, compiling its units on the CPU: once.
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+  rows, largest, missing, workloads = [], [], [], {}
+  for name, path, overrides, model_kwargs, pod in entries:
+    chips = aot.parse_topology(pod)[1]
+    for strategy in args.strategies:
+      topology = pod
+      c = point_config(path, overrides, model_kwargs, strategy, chips, NUM_STAGES[plan])
+      if STRATEGIES[strategy][1] != "data":
+        topology = STAGE_SLICE[pod]
+      if c.model == "transformer":  # From the cost model alone: no compile.
+        line = peak_line(c.copy_and_resolve_references(), strategy, NUM_STAGES[plan])
+        for other in ("v5e:16x16", "v5p:8x8x4"):
+          hbm = aot.CHIP_HBM_BYTES[aot.parse_topology(other)[0]]
+          layers = largest_layers(line, hbm, NUM_STAGES[plan])
+          per_layer_params = 12 * c.model_kwargs.d_model ** 2  # Attention 4 d^2, MLP 8 d^2.
+          largest.append({"strategy": strategy, "topology": other, "largest_layers": layers,
+                          "d_model": c.model_kwargs.d_model,
+                          "params_B": round(layers * per_layer_params / 1e9, 2),
+                          "predicted_GiB_per_layer": line[1] / (1 << 30)})
+      compiled = compile_point(out, name, c, strategy, topology, args.cached_only)
+      if compiled is None:
+        missing.append(f"{name} {strategy} {topology}")
+        continue
+      executed = STRATEGIES[strategy][1] != "data"  # The same workload for every rule.
+      if (name, executed) not in workloads:
+        workloads[name, executed] = workload(c, executed)
+      rows.append(row(name, strategy, topology, compiled,
+                      predicted(strategy, c, workloads[name, executed])))
+      print(f"{name} {strategy} {topology}: compiled", flush=True)
+  result = {"rows": rows, "largest_transformer": largest, "not_compiled": missing,
+            "hbm_source": aot.HBM_SOURCE}
+  _common.write_json(out / "tpu_plan.json", result)
+  print_table(rows)
+  if missing:
+    print("not compiled (run without --cached_only):", "; ".join(missing))
+  return result
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,247 @@
+"""Plan a TPU run on any machine: compile the configured step for a TPU topology, ahead of time.
+
+With ``jax[tpu]`` installed (``pip install -e ".[tpu]"``, which brings
+libtpu), ``jax.experimental.topologies`` describes the chips of a TPU slice or
+pod, such as the 256 chips of ``v5e:16x16``, without a TPU. The configured
+train step (model, rule, parallelism) is built on a mesh of those chips from
+abstract inputs (shapes and shardings only: no parameter is allocated,
+``jax.eval_shape`` gives the state) and compiled by the real TPU compiler,
+which reports the program's per-chip memory, its collectives and its FLOPs.
+Nothing is executed.
+
+  cdpjax-compile --config configs/imagenet_resnet50.py:rule=cdp-v2 \\
+    --config.num_workers=256 --topology v5e:16x16 --workdir runs/plan
+
+The mesh is the one ``cdpjax-train`` builds (`cdpjax.train.make_mesh`): one
+axis of ``num_workers`` devices (``num_stages`` for ``parallelism=model``), on
+the first chips of the topology. For a full pod (``v5e:16x16``) the TPU
+compiler compiles for all its chips, so the mesh must use every chip (a
+``ValueError`` says so); smaller slices such as ``v5e:2x4`` take fewer.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+GIB = 1 << 30
+# HBM per chip, from the Cloud TPU documentation's system architecture pages
+# (tpu/docs/v4, v5e, v5p, v6e), read 2026-12: v4 "32 GiB", v5p "95 GiB", v5e
+# "16 GB" and v6e "32 GB" (HBM stacks come in binary sizes: read as GiB). The
+# runtime keeps a little of it for itself, so a step within a few percent of
+# the figure may still not fit.
+CHIP_HBM_BYTES = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB}
+HBM_SOURCE = ("Cloud TPU documentation, system architecture pages: HBM per chip v4 32 GiB, "
+              "v5e 16 GB, v5p 95 GiB, v6e 32 GB (read as GiB)")
+# libtpu's name for a slice of ``CHIP`` chips, for TPU_ACCELERATOR_TYPE (``v5litepod-8``).
+_ACCELERATOR_NAME = {"v4": "v4", "v5e": "v5litepod", "v5p": "v5p", "v6e": "v6e"}
+_TOPOLOGY = re.compile(r"^(?P<chip>v\d+[a-z]*):(?P<shape>\d+(?:x\d+)*)$")
+# Model inputs of the datasets (``cdpjax.data``), so that planning needs no prepared data:
+# (num_classes, one example's shape). Text sets take ``[seq_len]`` int32 bytes, 256 classes.
+IMAGE_DATASETS = {"digits": (10, (8, 8, 1)), "cifar10": (10, (32, 32, 3)),
+                  "imagenet2012": (1000, (224, 224, 3))}
+REPORT_KEYS = ("topology", "chips", "devices_used", "mesh", "runs", "config", "num_params",
+               "memory_per_chip", "hbm_per_chip_bytes", "hbm_source", "fits", "collectives",
+               "flops", "optimal_seconds")
+
+
+def parse_topology(topology: str) -> tuple[str, int]:
+  """``("v5e", 256)`` for ``"v5e:16x16"``; ValueError naming the valid forms."""
+  match = _TOPOLOGY.match(topology)
+  if not match or match.group("chip") not in CHIP_HBM_BYTES:
+    raise ValueError(
+        f"Unknown TPU topology {topology!r}: use CHIP:SHAPE with CHIP in "
+        f"{sorted(CHIP_HBM_BYTES)} and SHAPE the chips per dimension, e.g. v5e:2x4, "
+        "v5e:16x16, v5p:4x4x4 (v4 and v5p count chips in three dimensions).")
+  return match.group("chip"), math.prod(int(s) for s in match.group("shape").split("x"))
+
+
+def quiet_libtpu(topology: str) -> None:
+  """Spares the user libtpu's warnings about the TPU VM it is not running on.
+
+  Without a TPU, libtpu looks up the VM's accelerator type and worker list (a
+  metadata server) and logs an error for each one it cannot find; compiling
+  needs neither. Set for this process only, before libtpu starts; values the
+  user set win. ``JAX_PLATFORMS=cpu`` keeps JAX's default backend on the CPU;
+  ``ALLOW_MULTIPLE_LIBTPU_LOAD`` lets this process load libtpu while another
+  holds its lock file (compiling touches no chip).
+  """
+  chip, num_chips = parse_topology(topology)
+  for key, value in (("TPU_SKIP_MDS_QUERY", "1"),
+                     ("TPU_ACCELERATOR_TYPE", f"{_ACCELERATOR_NAME[chip]}-{num_chips}"),
+                     ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                     ("JAX_PLATFORMS", "cpu"), ("TF_CPP_MIN_LOG_LEVEL", "3"),
+                     ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+    os.environ.setdefault(key, value)
+
+
+def topology_devices(topology: str) -> list:
+  """The chips of a TPU topology (compile-only devices), e.g. 256 for ``v5e:16x16``."""
+  parse_topology(topology)
+  quiet_libtpu(topology)
+  try:
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    description = topologies.get_topology_desc(topology, "tpu")
+  except Exception as e:  # pylint: disable=broad-except  (libtpu missing: several error types)
+    raise RuntimeError(
+        f"Cannot describe TPU topology {topology!r} ({type(e).__name__}: {e}). Compiling for "
+        "TPU needs libtpu: pip install -e '.[tpu]'.") from e
+  return list(description.devices)
+
+
+def _model_and_batch(c):
+  """The model, a one-row sample input and the abstract global batch of config ``c``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from cdpjax import data, models, train  # pylint: disable=g-import-not-at-top
+  rows = c.num_workers * c.per_worker_batch_size
+  if c.dataset in data.TEXT_DATASETS:
+    if c.model != "transformer":
+      raise ValueError(f"dataset={c.dataset!r} is text: set --config.model=transformer.")
+    num_classes, seq_len = 256, c.model_kwargs.seq_len
+    sample = jnp.zeros((1, seq_len), jnp.int32)
+    batch = {"image": jax.ShapeDtypeStruct((rows, seq_len), jnp.int32),
+             "label": jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)}
+  elif c.dataset in IMAGE_DATASETS:
+    num_classes, shape = IMAGE_DATASETS[c.dataset]
+    sample = jnp.zeros((1, *shape), jnp.float32)
+    batch = {"image": jax.ShapeDtypeStruct((rows, *shape), jnp.float32),
+             "label": jax.ShapeDtypeStruct((rows,), jnp.int32)}
+  else:
+    raise ValueError(f"Unknown dataset {c.dataset!r}: use one of {', '.join(data.DATASETS)}.")
+  model = models.create_model(c.model, num_classes, **train._model_kwargs(c))  # pylint: disable=protected-access
+  return model, sample, batch
+
+
+def build(c, devices):
+  """The lowered step of config ``c`` on the first chips of ``devices``, and what it is.
+
+  Returns ``(lowered, info)``; ``info`` has the mesh, the plan's description
+  and the parameter count.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from cdpjax import config as config_lib, executor as executor_lib, tasks, train  # pylint: disable=g-import-not-at-top
+  config_lib.validate(c)
+  if c.backend != "shard_map":
+    raise ValueError(f"backend={c.backend!r} cannot be compiled ahead of time here: use "
+                     "--config.backend=shard_map.")
+  needed = config_lib.num_devices(c)
+  if needed > len(devices):
+    raise ValueError(f"The mesh needs {needed} devices (num_workers={c.num_workers}, num_stages="
+                     f"{c.num_stages}, parallelism={c.parallelism!r}); the topology has "
+                     f"{len(devices)} chips. Use a larger topology or fewer workers.")
+  axis = "stage" if c.parallelism == "model" else "data"
+  mesh = jax.make_mesh((needed,), (axis,), devices=devices[:needed])
+  model, sample, batch = _model_and_batch(c)
+  variables = jax.eval_shape(lambda k: model.init(k, sample, train=False), jax.random.key(0))
+  params = variables["params"]
+  model_state = {k: v for k, v in variables.items() if k != "params"} or None
+  # The learning-rate schedule changes constants of the program, not its buffers or collectives.
+  tx = train.make_optimizer(c, optax.constant_schedule(c.learning_rate))
+  executor = executor_lib.build(
+      c.parallelism, model, tx, params=params, model_state=model_state,
+      stage_ids=train.model_stage_ids(c, model, params, sample), sample_input=sample,
+      rule=config_lib.delay_rule(c), mesh=mesh, loss_fn=tasks.cross_entropy, backend=c.backend)
+  state = jax.eval_shape(executor.init, params, model_state)
+  # The engine lowers abstract inputs as they are: they carry its placement (replicated state,
+  # rows split over the workers). The executed timetables place them themselves.
+  replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(axis))
+  state = executor_lib.place(state, replicated)
+  batch = executor_lib.place(batch, rows)
+  lowered = executor.lower(state, batch)
+  info = {"mesh": {axis: needed}, "runs": executor.plan.describe(),
+          "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(params))}
+  return lowered, info
+
+
+def report(lowered, topology: str) -> dict:
+  """What the TPU compiler makes of ``lowered``: per-chip memory, collectives, FLOPs, fit.
+
+  ``peak_bytes`` is XLA's argument + output + temp - alias estimate
+  (`cdpjax.compiled.memory`); ``fits`` compares it with the chip's HBM
+  (`CHIP_HBM_BYTES`). Collectives are the collective instructions of the
+  compiled program with the bytes of their results on one chip
+  (`cdpjax.compiled.collectives`): an instruction inside a loop (the slot
+  scan of the executed timetables) or a branch is counted once.
+  """
+  from cdpjax import compiled  # pylint: disable=g-import-not-at-top
+  try:
+    program = lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
+    if "should include all slice devices" not in str(e):
+      raise
+    raise ValueError(
+        f"The TPU compiler compiles for every chip of {topology}, and this step uses fewer "
+        f"than its {parse_topology(topology)[1]} chips. Use a topology "
+        "with as many chips as the mesh (e.g. v5e:2x2 for 4 stages), or set num_workers to "
+        "the chip count (parallelism=data).") from e
+  memory = compiled.memory(program)
+  analysis = program.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
+    analysis = analysis[0]
+  chip, num_chips = parse_topology(topology)
+  hbm = CHIP_HBM_BYTES[chip]
+  return {
+      "topology": topology,
+      "chips": num_chips,
+      "memory_per_chip": memory,
+      "hbm_per_chip_bytes": hbm,
+      "hbm_source": HBM_SOURCE,
+      "fits": memory["peak_bytes"] <= hbm,
+      "collectives": compiled.collective_summary(program.as_text()),
+      "flops": float((analysis or {}).get("flops", 0.0)),
+      "optimal_seconds": float((analysis or {}).get("optimal_seconds", float("nan"))),
+  }
+
+
+def compile_config(c, topology: str) -> dict:
+  """Builds, lowers and compiles config ``c`` for ``topology``; the report (`REPORT_KEYS`)."""
+  devices = topology_devices(topology)
+  lowered, info = build(c, devices)
+  result = report(lowered, topology)
+  result.update(info, devices_used=int(math.prod(info["mesh"].values())),
+                config={k: c[k] for k in ("model", "dataset", "rule", "parallelism",
+                                          "num_workers", "num_stages", "per_worker_batch_size",
+                                          "optimizer")})
+  return {k: result[k] for k in REPORT_KEYS}
+
+
+def write(result: dict, workdir: str) -> str:
+  """Writes ``compile.json`` in ``workdir``; returns its path."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "compile.json")
+  with open(path, "w") as f:
+    json.dump(result, f, indent=2)
+  return path
+
+
+def _gib(nbytes: float) -> str:
+  return f"{nbytes / GIB:.3f} GiB"
+
+
+def summary(result: dict) -> str:
+  """A short table of a report, for the terminal."""
+  m = result["memory_per_chip"]
+  lines = [
+      f"{result['runs']}",
+      f"topology {result['topology']}: {result['chips']} chips, the program uses "
+      f"{result['devices_used']} (mesh {result['mesh']}); {result['num_params']:,} parameters",
+      "per chip:",
+      *[f"  {key:<15} {_gib(m[key + '_bytes'])}" for key in
+        ("argument", "output", "temp", "alias", "peak")],
+      f"  HBM             {_gib(result['hbm_per_chip_bytes'])}: "
+      + ("fits" if result["fits"] else "DOES NOT FIT"),
+      "collective instructions (per chip; one inside a loop counted once):",
+      *[f"  {kind:<20} {c['count']:>5} ops {c['bytes'] / (1 << 20):>12.2f} MiB"
+        for kind, c in result["collectives"].items() if c["count"]],
+      f"FLOPs per chip {result['flops']:.4g}; compiler's optimal_seconds "
+      + (f"{result['optimal_seconds']:.4g}" if result["optimal_seconds"] > 0 else
+         f"{result['optimal_seconds']:.4g} (no estimate: the compiler gives a non-positive "
+         "figure for some programs)"),
+  ]
+  if not any(c["count"] for c in result["collectives"].values()):
+    lines.insert(-1, "  (none)")
+  return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""The compile-only launcher: plan a TPU run without a TPU (`cdpjax.aot`).
+
+  cdpjax-compile --config configs/imagenet_resnet50.py:rule=cdp-v2 \\
+    --config.num_workers=256 --topology v5e:16x16 --workdir runs/plan-r50
+
+Builds the step ``cdpjax-train`` would run for the config (same flags, same
+``--config.KEY=VALUE`` overrides), lowers it from abstract inputs on the
+topology's chips, compiles it with the TPU compiler, prints a short table and
+writes ``compile.json`` to ``--workdir``. Needs ``pip install -e ".[tpu]"``.
+Exit status 0 when the step fits the chip's HBM, 2 when it does not, 1 on an
+error.
+"""
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/lm.py.",
+                                          lock_config=True)
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology CHIP:SHAPE, e.g. v5e:2x4, "
+                                "v5e:16x16, v5p:8x8x4.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for compile.json.")
+flags.mark_flags_as_required(["config", "topology", "workdir"])
+EXIT_DOES_NOT_FIT = 2
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  try:
+    aot.quiet_libtpu(_TOPOLOGY.value)  # Before JAX starts a backend.
+    result = aot.compile_config(_CONFIG.value, _TOPOLOGY.value)
+  except (ValueError, RuntimeError) as e:
+    sys.stderr.write(f"cdpjax-compile: error: {e}\n")
+    sys.exit(1)
+  path = aot.write(result, _WORKDIR.value)
+  print(aot.summary(result))
+  print(f"wrote {path}")
+  if not result["fits"]:
+    sys.exit(EXIT_DOES_NOT_FIT)
+
+
+def run():
+  """Console-script entry point."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,94 @@
+"""Ahead-of-time compilation for a TPU topology (cdpjax.aot, cdpjax-compile), with libtpu on a CPU host."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cdpjax import aot, config as config_lib
+from cdpjax.data import digits
+
+TOPOLOGY = "v5e:2x4"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu: pip install -e '.[test]'")
+
+
+def _digits(**overrides):
+  return config_lib.load(os.path.join(REPO, "configs/digits.py"), None,
+                         **{"num_workers": 2, "num_stages": 2, "eval_batch_size": 16, **overrides})
+
+
+@pytest.fixture(scope="module")
+def executed():
+  """CDP + MP (cyclic pipeline) and ZeRO-3, compiled for v5e:2x4 in this process."""
+  return {par: aot.compile_config(_digits(parallelism=par, rule=rule), TOPOLOGY)
+          for par, rule in (("model", "cdp-v2"), ("zero", "dp"))}
+
+
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory):
+  """The engine (CDP-v1), compiled by the launcher as a user runs it: its output and JSON."""
+  workdir = tmp_path_factory.mktemp("plan")
+  proc = subprocess.run(
+      [sys.executable, "-m", "cdpjax.compile_main", "--config", "configs/digits.py:rule=cdp-v1",
+       "--config.num_workers=2", "--config.num_stages=2", "--config.eval_batch_size=16",
+       "--topology", TOPOLOGY, "--workdir", str(workdir)],
+      cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr
+  return proc, json.loads((workdir / "compile.json").read_text())
+
+
+def _counts(result):
+  return {kind: c["count"] for kind, c in result["collectives"].items() if c["count"]}
+
+
+def test_launcher_writes_the_report_quietly(engine_run):
+  proc, result = engine_run
+  assert tuple(result) == aot.REPORT_KEYS
+  assert "runs as the update-rule engine" in proc.stdout and "fits" in proc.stdout
+  # The TPU VM look-ups libtpu would complain about are switched off for this process.
+  assert "TPU_WORKER_HOSTNAMES" not in proc.stderr and "InitGoogle" not in proc.stderr
+  assert result["chips"] == 8 and result["devices_used"] == 2 and result["mesh"] == {"data": 2}
+  assert result["config"]["rule"] == "cdp-v1"
+
+
+def test_engine_reduces_gradients_with_an_all_reduce(engine_run):
+  counts = _counts(engine_run[1])
+  assert counts.get("all-reduce", 0) >= 1 and "collective-permute" not in counts
+
+
+def test_cyclic_pipeline_communicates_by_collective_permutes_only(executed):
+  counts = _counts(executed["model"])
+  assert set(counts) == {"collective-permute"}, counts
+  assert executed["model"]["mesh"] == {"stage": 2}
+
+
+def test_zero3_gathers_parameters_without_permutes(executed):
+  counts = _counts(executed["zero"])
+  assert counts and "collective-permute" not in counts, counts
+  assert "ZeRO-3" in executed["zero"]["runs"]
+
+
+def test_memory_flops_and_fit_are_consistent(executed, engine_run):
+  for result in (*executed.values(), engine_run[1]):
+    m = result["memory_per_chip"]
+    assert m["peak_bytes"] > m["argument_bytes"] > 0
+    assert m["peak_bytes"] == (m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"]
+                               - m["alias_bytes"])
+    assert result["hbm_per_chip_bytes"] == aot.CHIP_HBM_BYTES["v5e"] == 16 * aot.GIB
+    assert result["fits"] == (m["peak_bytes"] <= result["hbm_per_chip_bytes"])
+    assert result["flops"] > 0 and result["optimal_seconds"] > 0
+  # The parameters of the same model: a replicated engine state holds them all on every chip.
+  assert engine_run[1]["num_params"] == executed["model"]["num_params"]
+
+
+def test_bad_topology_and_mesh_are_refused():
+  with pytest.raises(ValueError, match="v5e:16x16"):
+    aot.parse_topology("v5e-256")
+  with pytest.raises(ValueError, match="topology has 8 chips"):
+    aot.build(_digits(num_workers=16, eval_batch_size=16), aot.topology_devices(TOPOLOGY))
+
+
+def test_dataset_shapes_match_the_datasets():
+  assert aot.IMAGE_DATASETS["digits"] == (digits.Digits.num_classes, digits.Digits.image_shape)
