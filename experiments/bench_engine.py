@@ -100,7 +100,7 @@ def measure(name: str, args) -> dict:
   variables = model.init(jax.random.key(0), sample, train=False)
   params = variables["params"]
   frozen = {k: v for k, v in variables.items() if k != "params"}  # BatchNorm statistics.
-  stage_ids = stages.model_stage_ids(model, params, NUM_STAGES, sample, strategy="params",
+  stage_ids = stages.model_stage_ids(model, params, NUM_STAGES, sample, by="params",
                                      train=False)
   tx = optax.sgd(0.01, momentum=0.9)
 

@@ -195,7 +195,7 @@ def resnet_padding(args) -> list[dict]:
   out = []
   for num_stages in args.stages:
     stage_ids = stages.model_stage_ids(model, variables["params"], num_stages, sample,
-                                       strategy="flops", train=False)
+                                       by="flops", train=False)
     staged = staged_lib.stage_model(model, variables["params"], stage_ids, sample,
                                     model_state={"batch_stats": variables["batch_stats"]})
     x_spec = jax.ShapeDtypeStruct((args.per_micro, image, image, channels), jnp.float32)
@@ -222,7 +222,7 @@ def compile_sweep(args) -> list[dict]:
     sample = jnp.zeros((1, 8, 8, 1))
     params = model.init(jax.random.key(0), sample)["params"]
     stage_ids = stages.model_stage_ids(
-        model, params, num_stages, sample, strategy="boundaries",
+        model, params, num_stages, sample, by="boundaries",
         boundaries=[f"block_{s * args.blocks_per_stage}" for s in range(1, num_stages)])
     staged = staged_lib.stage_model(model, params, stage_ids, sample, pad_to=num_stages)
     rng = np.random.default_rng(0)
@@ -264,7 +264,7 @@ def main(argv=None):
     sample = jnp.zeros((1, 8, 8, 1))
     params = model.init(jax.random.key(0), sample)["params"]
     stage_ids = stages.model_stage_ids(
-        model, params, num_stages, sample, strategy="boundaries",
+        model, params, num_stages, sample, by="boundaries",
         boundaries=[f"block_{s * args.blocks_per_stage}" for s in range(1, num_stages)])
     staged = staged_lib.stage_model(model, params, stage_ids, sample)
     rows_n = num_stages * args.per_micro
