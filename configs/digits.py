@@ -28,7 +28,7 @@ def get_config(arg: str | None = None):
   if arg.model == "resnet18":
     c.model = "resnet18"
     c.model_kwargs = config_lib.ml_collections.ConfigDict({"stem": "cifar", "width": 16})
-    c.stage_strategy = "flops"
+    c.stages_by = "flops"
     c.learning_rate = 0.02
     c.weight_decay = 5e-4
     c.num_epochs = 10.0

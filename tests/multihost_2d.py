@@ -23,10 +23,22 @@ def _host(x):
   return jax.numpy.asarray(pipeline.replicated(x).addressable_data(0)).tolist()
 
 
-def run() -> dict:
-  """Losses and final parameters of the replicated pipeline and of the sharded-worker engine.
+def _calls(ex, params, data, name: str) -> dict:
+  """``NUM_CALLS`` calls of an executed step: its losses and final stage buffers."""
+  import jax  # pylint: disable=g-import-not-at-top
+  state, losses = ex.init(params), []
+  for c in range(NUM_CALLS):
+    state, metrics = ex.step(state, jax.tree.map(
+        lambda x, c=c: x[c * STEPS_PER_CALL:(c + 1) * STEPS_PER_CALL], data))
+    losses += _host(metrics["loss"])
+  return {f"{name}_losses": losses, f"{name}_params": _host(state.params)}
 
-  Pipeline: ``(replica, stage)`` = 4 x 2, cdp-v2, ``K = 2`` steps per call. Engine:
+
+def run() -> dict:
+  """Losses and final parameters of the replicated pipeline, ZeRO ring and sharded-worker engine.
+
+  Pipeline: ``(replica, stage)`` = 4 x 2, cdp-v2, ``K = 2`` steps per call. CDP-ZeRO:
+  ``(replica, data)`` = 4 x 2, the same. Engine:
   ``(data, fsdp)`` = 4 x 2, cdp-v2. On 2 processes, replicas (workers) 0-1 are on
   process 0 and 2-3 on process 1: the reductions over them cross processes.
   """
@@ -35,7 +47,7 @@ def run() -> dict:
 
   import executed_reference as ref  # pylint: disable=g-import-not-at-top
   from cdpjax import executor  # pylint: disable=g-import-not-at-top
-  from cdpjax.executed import pipeline, staged  # pylint: disable=g-import-not-at-top
+  from cdpjax.executed import pipeline, staged, zero  # pylint: disable=g-import-not-at-top
 
   name, num_stages, replicas = "residual_mlp", 2, 4
   model, params, _, stage_ids = ref.model_of(name, num_stages)
@@ -44,12 +56,12 @@ def run() -> dict:
   ex = pipeline.make_train_step(
       ref.staged_of(name, num_stages), ref.make_tx(name), rule="cdp-v2", scan_steps=STEPS_PER_CALL,
       mesh=jax.make_mesh((replicas, num_stages), ("replica", "stage"), devices=jax.devices()))
-  state, pipeline_losses = ex.init(params), []
-  for c in range(NUM_CALLS):
-    state, metrics = ex.step(state, jax.tree.map(
-        lambda x, c=c: x[c * STEPS_PER_CALL:(c + 1) * STEPS_PER_CALL], data))
-    pipeline_losses += _host(metrics["loss"])
-  result = {"pipeline_losses": pipeline_losses, "pipeline_params": _host(state.params)}
+  result = _calls(ex, params, data, "pipeline")
+  ex = zero.make_train_step(
+      ref.staged_of(name, num_stages, pad_to=num_stages), ref.make_tx(name), rule="cdp-v2",
+      scan_steps=STEPS_PER_CALL,
+      mesh=jax.make_mesh((replicas, num_stages), ("replica", "data"), devices=jax.devices()))
+  result.update(_calls(ex, params, data, "zero"))
 
   ex = executor.engine_executor(
       model, ref.make_tx(name), stage_ids=stage_ids, rule="cdp-v2", loss_fn=staged.cross_entropy,
@@ -61,7 +73,8 @@ def run() -> dict:
     engine_losses.append(_host(metrics["loss"]))
   result.update(engine_losses=engine_losses, engine_params=np.concatenate(
       [np.ravel(_host(x)) for x in jax.tree.leaves(state.params)]).tolist())
-  assert all(np.isfinite(result["pipeline_losses"] + result["engine_losses"]))
+  assert all(np.isfinite(result["pipeline_losses"] + result["zero_losses"]
+                         + result["engine_losses"]))
   return result
 
 

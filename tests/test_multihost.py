@@ -241,8 +241,9 @@ def test_executed_modes_on_two_processes_match_one_process(parallelism, executed
 
 
 def test_two_dimensional_meshes_on_two_processes_match_one_process(tmp_path):
-  """The replicated pipeline (replica, stage) and the engine with 2-device workers (data,
-  fsdp), both 4 x 2, stepped by tests/multihost_2d.py on 2 processes x 4 devices."""
+  """The replicated pipeline (replica, stage), the replicated ZeRO ring (replica, data) and the
+  engine with 2-device workers (data, fsdp), all 4 x 2, stepped by tests/multihost_2d.py on 2
+  processes x 4 devices."""
   import multihost_2d  # pylint: disable=g-import-not-at-top
   port = free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
