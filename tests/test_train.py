@@ -274,9 +274,13 @@ class TestBadMeshKeys:
     with pytest.raises(ValueError, match=r"mesh \{'replica': 4, 'data': 4\} needs 16 devices"):
       train.make_mesh(c)
 
-  def test_resume_refuses_a_new_replica_count(self):
+  def test_resume_refuses_a_new_mesh_key(self):
     refused, _ = train.config_changes({"num_replicas": 1}, {"num_replicas": 2})
     assert set(refused) == {"num_replicas"}
+    # A checkpoint written before the key existed ran with one replica, on one device a worker.
+    refused, _ = train.config_changes({}, {"num_replicas": 2, "devices_per_worker": 2})
+    assert set(refused) == {"num_replicas", "devices_per_worker"}
+    assert train.config_changes({}, {"num_replicas": 1, "devices_per_worker": 1}) == ({}, {})
 
 
 def test_old_stage_strategy_key_is_named(tmp_path):

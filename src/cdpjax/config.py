@@ -128,6 +128,8 @@ def shrink_for_smoke(c: ml_collections.ConfigDict, num_train_steps: int) -> None
 
 # Keys renamed since a release: old name -> new name (a config or checkpoint may use the old).
 RENAMED_KEYS = {"stage_strategy": "stages_by"}
+# Keys added since, with the value a checkpoint that lacks them ran with.
+ADDED_KEYS = {"num_replicas": 1, "devices_per_worker": 1}
 
 
 def validate(c: ml_collections.ConfigDict) -> None:

@@ -283,9 +283,11 @@ def config_changes(saved: dict, current: dict) -> tuple[dict, dict]:
   """``(refused, allowed)``: the keys whose value differs, as ``{key: (saved, current)}``.
 
   A key the checkpoint does not know (one added to the configs since) is not
-  compared.
+  compared, unless `config.ADDED_KEYS` gives the value it ran with; a renamed
+  key (`config.RENAMED_KEYS`) is compared under its new name.
   """
-  saved = {config_lib.RENAMED_KEYS.get(k, k): v for k, v in saved.items()}
+  saved = {**config_lib.ADDED_KEYS,
+           **{config_lib.RENAMED_KEYS.get(k, k): v for k, v in saved.items()}}
   diff = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v}
   allowed = {k: d for k, d in diff.items() if k in RESUMABLE_KEYS}
   return {k: d for k, d in diff.items() if k not in allowed}, allowed
