@@ -15,6 +15,7 @@ import tensorflow_datasets as tfds
 from cdpjax import config as config_lib
 from cdpjax import distributed
 from cdpjax import executor
+from cdpjax import schedule
 from cdpjax import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -253,6 +254,22 @@ def test_two_dimensional_meshes_log_the_engines_losses(overrides, engine_four_wo
   assert sorted(losses) == sorted(engine_four_workers) == [1, 2]
   np.testing.assert_allclose([losses[k] for k in (1, 2)],
                              [engine_four_workers[k] for k in (1, 2)], rtol=1e-5)
+
+
+def test_replicated_cdp_v2_pipeline_is_the_engine_with_the_tiled_matrix(monkeypatch, tmp_path):
+  """R = 2 cyclic pipelines of N = J = 2 under cdp-v2 are the engine with 4 workers reading the
+  cdp-v2 matrix of 2 workers tiled twice (not cdp-v2 of 4 workers). The launcher has no key for
+  a custom matrix, so the engine run gets it through `config.delay_rule`."""
+  c = load_config("digits", "smoke,parallelism=model", **{**TWO_D, "num_workers": 2},
+                  num_replicas=2)
+  train.train_and_evaluate(c, str(tmp_path / "replicas"))
+  tiled = np.tile(schedule.delay_matrix("cdp-v2", 2, 2), (2, 1))
+  assert not np.array_equal(tiled, schedule.delay_matrix("cdp-v2", 4, 2))
+  monkeypatch.setattr(config_lib, "delay_rule", lambda _: tiled)
+  train.train_and_evaluate(load_config("digits", "smoke", **TWO_D), str(tmp_path / "engine"))
+  a, b = train_losses(tmp_path / "replicas"), train_losses(tmp_path / "engine")
+  assert sorted(a) == sorted(b) == [1, 2]
+  np.testing.assert_allclose([a[k] for k in (1, 2)], [b[k] for k in (1, 2)], rtol=1e-5)
 
 
 class TestBadMeshKeys:
