@@ -5,6 +5,9 @@ CDP-v2); ``model=resnet18`` runs a ResNet-18 with the CIFAR stem on the same
 8x8x1 images, cut into 4 stages by FLOPs, with BatchNorm. ``parallelism=model``
 and ``parallelism=zero`` run N = J = 4 workers (the executed timetables need
 one micro-batch per stage); under them rule ``dp`` runs GPipe and ZeRO-3.
+``--config.num_replicas=R`` runs ``R`` copies of them on a 2-D mesh
+(``R*J`` devices, ``R*N*b`` rows a step); ``--config.devices_per_worker=F``
+makes a ``parallelism=data`` worker ``F`` devices (``N*F``), its state sharded.
 Every run takes ``steps_per_call`` = 16 steps per compiled call, lowered to
 10 by the eval and checkpoint intervals (100, 200); ``smoke`` takes 1, and
 ``--config.steps_per_call=1`` fills and drains the pipeline every step.
@@ -13,6 +16,8 @@ Every run takes ``steps_per_call`` = 16 steps per compiled call, lowered to
   cdpjax-train --config configs/digits.py:rule=dp,smoke --workdir runs/digits-smoke
   cdpjax-train --config configs/digits.py:parallelism=model --workdir runs/digits-mp
   cdpjax-train --config configs/digits.py:parallelism=zero,model=resnet18,smoke --workdir runs/digits-zero
+  cdpjax-train --config configs/digits.py:parallelism=zero,smoke --config.num_replicas=2 --workdir runs/digits-zero-r2
+  cdpjax-train --config configs/digits.py:smoke --config.devices_per_worker=2 --workdir runs/digits-fsdp
 """
 from cdpjax import config as config_lib
 
@@ -28,7 +33,7 @@ def get_config(arg: str | None = None):
   if arg.model == "resnet18":
     c.model = "resnet18"
     c.model_kwargs = config_lib.ml_collections.ConfigDict({"stem": "cifar", "width": 16})
-    c.stage_strategy = "flops"
+    c.stages_by = "flops"
     c.learning_rate = 0.02
     c.weight_decay = 5e-4
     c.num_epochs = 10.0

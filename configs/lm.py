@@ -51,7 +51,7 @@ def get_config(arg: str | None = None):
   c.parallelism = arg.parallelism
   c.num_workers = 4
   c.num_stages = 4
-  c.stage_strategy = "blocks"
+  c.stages_by = "blocks"
 
   c.per_worker_batch_size = size["batch"]
   c.eval_batch_size = 64

@@ -78,7 +78,7 @@ def workload(name: str, quick: bool, per_worker_batch: int):
     model = models.create_model("transformer", 256, **size)
     tokens = rng.integers(0, 256, size=(n, size["seq_len"] + 1)).astype(np.int32)
     per = size["num_layers"] // NUM_STAGES  # Whole blocks per stage, as configs/lm.py cuts.
-    blocks = dict(strategy="boundaries",
+    blocks = dict(by="boundaries",
                   boundaries=[f"block_{s * per}" for s in range(1, NUM_STAGES)])
     return (model, {"image": tokens[:, :-1], "label": tokens[:, 1:]}, blocks,
             optax.adamw(1e-3, weight_decay=0.1))
@@ -92,7 +92,7 @@ def workload(name: str, quick: bool, per_worker_batch: int):
     shape = (8, 8, 3) if quick else (32, 32, 3)
   batch = {"image": rng.normal(size=(n,) + shape).astype(np.float32),
            "label": rng.integers(0, 10, size=n).astype(np.int32)}
-  return model, batch, dict(strategy="params"), optax.sgd(0.01, momentum=0.9)
+  return model, batch, dict(by="params"), optax.sgd(0.01, momentum=0.9)
 
 
 def parameter_copies(hlo_text: str, params) -> int:
@@ -112,12 +112,12 @@ def measure(name: str, args) -> dict:
   mesh = jax.make_mesh((NUM_WORKERS,), ("data",))
   per_worker_batch = {"mlp": args.per_worker_batch, "resnet18": args.resnet_batch,
                       "transformer": args.lm_batch}[name]
-  model, batch, strategy, tx = workload(name, args.quick, per_worker_batch)
+  model, batch, cut, tx = workload(name, args.quick, per_worker_batch)
   sample = batch["image"][:1]
   variables = model.init(jax.random.key(0), sample, train=False)
   params = variables["params"]
   frozen = {k: v for k, v in variables.items() if k != "params"}  # BatchNorm statistics.
-  stage_ids = stages.model_stage_ids(model, params, NUM_STAGES, sample, train=False, **strategy)
+  stage_ids = stages.model_stage_ids(model, params, NUM_STAGES, sample, train=False, **cut)
 
   def loss_fn(p, b):
     logits = model.apply({"params": p, **frozen}, b["image"], train=False)

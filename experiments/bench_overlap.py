@@ -56,7 +56,7 @@ def lowered_step(mesh, rule: str, width: int, per_worker_batch: int):
   model = ResidualMLP(num_classes=10, width=width, hidden=2 * width, num_blocks=2 * NUM_STAGES)
   sample = jnp.zeros((1, 8, 8, 1))
   params = jax.eval_shape(lambda k: model.init(k, sample), jax.random.key(0))["params"]
-  stage_ids = stages.model_stage_ids(model, params, NUM_STAGES, sample, strategy="params")
+  stage_ids = stages.model_stage_ids(model, params, NUM_STAGES, sample, by="params")
   tx = optax.sgd(0.1, momentum=0.9)
 
   def loss_fn(p, batch):

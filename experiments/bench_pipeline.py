@@ -200,7 +200,7 @@ def resnet_padding(args) -> list[dict]:
   out = []
   for num_stages in args.stages:
     stage_ids = stages.model_stage_ids(model, variables["params"], num_stages, sample,
-                                       strategy="flops", train=False)
+                                       by="flops", train=False)
     staged = staged_lib.stage_model(model, variables["params"], stage_ids, sample,
                                     model_state={"batch_stats": variables["batch_stats"]})
     x_spec = jax.ShapeDtypeStruct((args.per_micro, image, image, channels), jnp.float32)
@@ -222,18 +222,7 @@ def compile_sweep(args) -> list[dict]:
     if num_stages > jax.device_count():
       print(f"compile sweep: J={num_stages} needs {num_stages} devices; skipped.")
       continue
-    model = ResidualMLP(num_classes=10, width=args.width, hidden=args.hidden,
-                        num_blocks=num_stages * args.blocks_per_stage)
-    sample = jnp.zeros((1, 8, 8, 1))
-    params = model.init(jax.random.key(0), sample)["params"]
-    stage_ids = stages.model_stage_ids(
-        model, params, num_stages, sample, strategy="boundaries",
-        boundaries=[f"block_{s * args.blocks_per_stage}" for s in range(1, num_stages)])
-    staged = staged_lib.stage_model(model, params, stage_ids, sample, pad_to=num_stages)
-    rng = np.random.default_rng(0)
-    rows_n = num_stages * args.per_micro
-    batch = {"image": rng.normal(size=(rows_n, 8, 8, 1)).astype(np.float32),
-             "label": rng.integers(0, 10, size=(rows_n,)).astype(np.int32)}
+    staged, params, batch, _ = mlp_workload(num_stages, args, one_step=True, pad_to=num_stages)
     tx = optax.sgd(0.1, momentum=0.9)
     for name, make, axis in (("pipeline", pipeline.make_train_step, "stage"),
                              ("zero", zero.make_train_step, "data")):
@@ -251,21 +240,24 @@ def compile_sweep(args) -> list[dict]:
   return rows
 
 
-def mlp_workload(num_stages, args):
+def mlp_workload(num_stages, args, one_step=False, pad_to=1):
   """``(staged, params, batch, activation bytes)`` of the residual MLP cut every
-  ``blocks_per_stage`` blocks."""
+  ``blocks_per_stage`` blocks; the batch is ``[K, N*b, ...]`` for ``K =
+  args.steps_per_call``, or one step's ``[N*b, ...]`` with ``one_step``."""
   model = ResidualMLP(num_classes=10, width=args.width, hidden=args.hidden,
                       num_blocks=num_stages * args.blocks_per_stage)
   sample = jnp.zeros((1, 8, 8, 1))
   params = model.init(jax.random.key(0), sample)["params"]
   stage_ids = stages.model_stage_ids(
-      model, params, num_stages, sample, strategy="boundaries",
+      model, params, num_stages, sample, by="boundaries",
       boundaries=[f"block_{s * args.blocks_per_stage}" for s in range(1, num_stages)])
-  staged = staged_lib.stage_model(model, params, stage_ids, sample)
+  staged = staged_lib.stage_model(model, params, stage_ids, sample, pad_to=pad_to)
   rng = np.random.default_rng(0)
-  rows_n = num_stages * args.per_micro
-  batch = {"image": rng.normal(size=(args.steps_per_call, rows_n, 8, 8, 1)).astype(np.float32),
-           "label": rng.integers(0, 10, size=(args.steps_per_call, rows_n)).astype(np.int32)}
+  lead = (num_stages * args.per_micro,)
+  if not one_step:
+    lead = (args.steps_per_call,) + lead
+  batch = {"image": rng.normal(size=lead + (8, 8, 1)).astype(np.float32),
+           "label": rng.integers(0, 10, size=lead).astype(np.int32)}
   return staged, params, batch, args.per_micro * args.width * 4
 
 
@@ -277,7 +269,7 @@ def transformer_workload(num_stages, args):
   sample = jnp.zeros((1, size["seq_len"]), jnp.int32)
   params = model.init(jax.random.key(0), sample)["params"]
   stage_ids = stages.model_stage_ids(
-      model, params, num_stages, sample, strategy="boundaries",
+      model, params, num_stages, sample, by="boundaries",
       boundaries=[f"block_{s}" for s in range(1, num_stages)])
   staged = staged_lib.stage_model(model, params, stage_ids, sample)
   rng = np.random.default_rng(0)

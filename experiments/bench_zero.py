@@ -90,7 +90,7 @@ def residual_mlp(num_workers, width, hidden, rows):
                                                         batch["image"][:1])["params"])
   sample = batch["image"][:1]
   stage_ids = stages.model_stage_ids(
-      model, params, num_workers, sample, strategy="boundaries",
+      model, params, num_workers, sample, by="boundaries",
       boundaries=[f"block_{s}" for s in range(1, num_workers)])
   staged = staged_lib.stage_model(model, params, stage_ids, sample, pad_to=num_workers)
   return model, params, stage_ids, staged, batch

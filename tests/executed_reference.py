@@ -36,10 +36,10 @@ def model_of(name, num_stages):
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
   if name == "residual_mlp":
     stage_ids = stages.model_stage_ids(
-        model, params, num_stages, sample, strategy="boundaries", train=False,
+        model, params, num_stages, sample, by="boundaries", train=False,
         boundaries=[f"block_{s * 4 // num_stages}" for s in range(1, num_stages)])
   else:
-    stage_ids = stages.model_stage_ids(model, params, num_stages, sample, strategy="flops",
+    stage_ids = stages.model_stage_ids(model, params, num_stages, sample, by="flops",
                                        train=False)
   return model, params, model_state, stage_ids
 

@@ -241,8 +241,9 @@ def test_executed_modes_on_two_processes_match_one_process(parallelism, executed
 
 
 def test_two_dimensional_meshes_on_two_processes_match_one_process(tmp_path):
-  """The replicated pipeline (replica, stage) and the engine with 2-device workers (data,
-  fsdp), both 4 x 2, stepped by tests/multihost_2d.py on 2 processes x 4 devices."""
+  """The replicated pipeline (replica, stage), the replicated ZeRO ring (replica, data) and the
+  engine with 2-device workers (data, fsdp), all 4 x 2, stepped by tests/multihost_2d.py on 2
+  processes x 4 devices; and the launcher with num_replicas=2, one replica per process."""
   import multihost_2d  # pylint: disable=g-import-not-at-top
   port = free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -255,7 +256,7 @@ def test_two_dimensional_meshes_on_two_processes_match_one_process(tmp_path):
           [sys.executable, multihost_2d.__file__, str(out), f"127.0.0.1:{port}", "2", str(i)],
           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
       stack.callback(lambda p=procs[-1]: p.poll() is None and (p.kill(), p.wait()))
-    reference = multihost_2d.run()  # Meanwhile, on this process's 8 devices.
+    reference = multihost_2d.run(str(tmp_path / "one_process"))  # Meanwhile, on 8 devices.
     codes = [p.wait(timeout=RUN_TIMEOUT_S) for p in procs]
   assert codes == [0, 0], (tmp_path / "process0.log").read_text()[-3000:]
   for out in outs:

@@ -155,7 +155,7 @@ def test_flops_split_balances_xla_flops():
   # FLOPs sit in the convs and params in the head: the two splits differ.
   best = min(range(1, 4), key=lambda b: max(sum(expected[:b]), sum(expected[b:])))
   assert best == 2
-  by_flops = stages.model_stage_ids(model, params, 2, x, strategy="flops")
+  by_flops = stages.model_stage_ids(model, params, 2, x, by="flops")
   assert [by_flops[k]["kernel"] for k in costs] == [0, 0, 1, 1]
   by_params = stages.model_stage_ids(model, params, 2, x)
   assert [by_params[k]["kernel"] for k in costs] == [0, 0, 0, 1]
@@ -165,7 +165,7 @@ def test_boundaries_by_index_or_name():
   params = _unit_params([1, 2, 3, 4, 5])
   order = ["u4", "u3", "u2", "u1", "u0"]  # Execution order, not key order.
   for boundaries in ([1, 3], ["u3", "u1"], [1, "u1"]):
-    stage_ids = stages.partition(params, 3, order=order, strategy="boundaries",
+    stage_ids = stages.partition(params, 3, order=order, by="boundaries",
                                  boundaries=boundaries)
     assert {k: v["w"] for k, v in stage_ids.items()} == {
         "u4": 0, "u3": 1, "u2": 1, "u1": 2, "u0": 2}
@@ -175,18 +175,18 @@ def test_boundaries_by_index_or_name():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_stages=6), r"Cannot split 5 units .* at most 5 stages, or a model with more"),
     (dict(num_stages=0), r"num_stages must be an integer >= 1"),
-    (dict(strategy="layers"), r"Unknown strategy 'layers'"),
-    (dict(strategy="flops"), r"Pass costs exactly when strategy='flops'"),
-    (dict(costs={"u0": 1.0}), r"Pass costs exactly when strategy='flops'"),
-    (dict(strategy="flops", costs={"u0": 1.0}), r"costs lacks units \['u1', 'u2', 'u3', 'u4'\]"),
-    (dict(boundaries=[1]), r"Pass boundaries exactly when strategy='boundaries'"),
-    (dict(strategy="boundaries", boundaries=[1, 2, 3]), r"3 stages need 2 boundaries.*got 3"),
-    (dict(strategy="boundaries", boundaries=[1]), r"3 stages need 2 boundaries"),
-    (dict(strategy="boundaries", boundaries=[3, 2]), r"strictly increasing unit indices in 1..4"),
-    (dict(strategy="boundaries", boundaries=[2, 2]), r"strictly increasing"),
-    (dict(strategy="boundaries", boundaries=[0, 2]), r"strictly increasing"),
-    (dict(strategy="boundaries", boundaries=[2, 5]), r"strictly increasing"),
-    (dict(strategy="boundaries", boundaries=["u1", "head"]), r"'head' is not a unit"),
+    (dict(by="layers"), r"Unknown by='layers'"),
+    (dict(by="flops"), r"Pass costs exactly when by='flops'"),
+    (dict(costs={"u0": 1.0}), r"Pass costs exactly when by='flops'"),
+    (dict(by="flops", costs={"u0": 1.0}), r"costs lacks units \['u1', 'u2', 'u3', 'u4'\]"),
+    (dict(boundaries=[1]), r"Pass boundaries exactly when by='boundaries'"),
+    (dict(by="boundaries", boundaries=[1, 2, 3]), r"3 stages need 2 boundaries.*got 3"),
+    (dict(by="boundaries", boundaries=[1]), r"3 stages need 2 boundaries"),
+    (dict(by="boundaries", boundaries=[3, 2]), r"strictly increasing unit indices in 1..4"),
+    (dict(by="boundaries", boundaries=[2, 2]), r"strictly increasing"),
+    (dict(by="boundaries", boundaries=[0, 2]), r"strictly increasing"),
+    (dict(by="boundaries", boundaries=[2, 5]), r"strictly increasing"),
+    (dict(by="boundaries", boundaries=["u1", "head"]), r"'head' is not a unit"),
     (dict(order=["u0", "u1", "u2", "u3"]), r"must list every top-level key"),
     (dict(order=["u0", "u1", "u2", "u3", "u3"]), r"must list every top-level key"),
 ])

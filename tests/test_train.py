@@ -15,6 +15,7 @@ import tensorflow_datasets as tfds
 from cdpjax import config as config_lib
 from cdpjax import distributed
 from cdpjax import executor
+from cdpjax import schedule
 from cdpjax import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -148,11 +149,11 @@ class TestBadConfig:
 
   def test_batch_not_divisible(self, tmp_path):
     c = load_config("digits", "smoke", eval_batch_size=100)
-    with pytest.raises(ValueError, match="eval_batch_size=100 must be a multiple of num_workers=8"):
+    with pytest.raises(ValueError, match="eval_batch_size=100 must be a multiple of the 8 devices"):
       train.train_and_evaluate(c, str(tmp_path))
 
   def test_more_stages_than_the_model_has(self, tmp_path):
-    c = load_config("digits", "smoke", num_stages=7, stage_strategy="params")
+    c = load_config("digits", "smoke", num_stages=7, stages_by="params")
     with pytest.raises(ValueError, match="Cannot split 6 units.*into 7 non-empty stages"):
       train.train_and_evaluate(c, str(tmp_path))
     c = load_config("digits", "smoke", num_stages=3)
@@ -223,3 +224,89 @@ def test_executed_schedules_log_the_engines_losses(parallelism, engine_run, tmp_
   slots = 2 * j * (k + 1) - 2 + (parallelism == "zero")  # Per device, in a K-step call.
   assert summary["idle_fraction"] == pytest.approx(1 - 2 * j * k / slots)  # 0.27 (0.30 zero)
   assert summary["idle_fraction"] < (j - 1) / (2 * j - 1)  # GPipe's, 0.43.
+
+
+@pytest.fixture(scope="module")
+def engine_four_workers(tmp_path_factory):
+  """The reference of the 2-D meshes: rule dp on the engine, N = 4 workers, J = 2 stages."""
+  workdir = tmp_path_factory.mktemp("engine4")
+  train.train_and_evaluate(load_config("digits", "rule=dp,smoke", **TWO_D), str(workdir))
+  return train_losses(workdir)
+
+
+TWO_D = dict(num_train_steps=2, num_workers=4, num_stages=2)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(parallelism="model", num_workers=2, num_replicas=2),  # (replica, stage) = 2 x 2.
+    dict(parallelism="zero", num_workers=2, num_replicas=2),   # (replica, data) = 2 x 2.
+    dict(devices_per_worker=2)],                               # (data, fsdp) = 4 x 2.
+    ids=["model-replicas", "zero-replicas", "data-fsdp"])
+def test_two_dimensional_meshes_log_the_engines_losses(overrides, engine_four_workers, tmp_path):
+  """R = 2 copies of GPipe / ZeRO-3 on N = 2 micro-batches each are the engine's N = 4 workers
+  (dp: tiling the delay matrix changes nothing), on R*N*b rows per step; a worker of 2 devices
+  computes what a worker of one does."""
+  c = load_config("digits", "rule=dp,smoke", **{**TWO_D, **overrides})
+  assert config_lib.num_devices(c) == (8 if "devices_per_worker" in overrides else 4)
+  assert config_lib.global_batch_size(c) == 4 * c.per_worker_batch_size
+  train.train_and_evaluate(c, str(tmp_path))
+  losses = train_losses(tmp_path)
+  assert sorted(losses) == sorted(engine_four_workers) == [1, 2]
+  np.testing.assert_allclose([losses[k] for k in (1, 2)],
+                             [engine_four_workers[k] for k in (1, 2)], rtol=1e-5)
+
+
+def test_replicated_cdp_v2_pipeline_is_the_engine_with_the_tiled_matrix(monkeypatch, tmp_path):
+  """R = 2 cyclic pipelines of N = J = 2 under cdp-v2 are the engine with 4 workers reading the
+  cdp-v2 matrix of 2 workers tiled twice (not cdp-v2 of 4 workers). The launcher has no key for
+  a custom matrix, so the engine run gets it through `config.delay_rule`."""
+  c = load_config("digits", "smoke,parallelism=model", **{**TWO_D, "num_workers": 2},
+                  num_replicas=2)
+  train.train_and_evaluate(c, str(tmp_path / "replicas"))
+  tiled = np.tile(schedule.delay_matrix("cdp-v2", 2, 2), (2, 1))
+  assert not np.array_equal(tiled, schedule.delay_matrix("cdp-v2", 4, 2))
+  monkeypatch.setattr(config_lib, "delay_rule", lambda _: tiled)
+  train.train_and_evaluate(load_config("digits", "smoke", **TWO_D), str(tmp_path / "engine"))
+  a, b = train_losses(tmp_path / "replicas"), train_losses(tmp_path / "engine")
+  assert sorted(a) == sorted(b) == [1, 2]
+  np.testing.assert_allclose([a[k] for k in (1, 2)], [b[k] for k in (1, 2)], rtol=1e-5)
+
+
+class TestBadMeshKeys:
+
+  @pytest.mark.parametrize("arg, overrides, match", [
+      ("", dict(num_replicas=2), r"num_replicas=2 copies an executed schedule.*num_replicas=1"),
+      ("parallelism=model", dict(devices_per_worker=2),
+       r"devices_per_worker=2 shards the engine's state.*devices_per_worker=1"),
+      ("parallelism=zero", dict(num_replicas=0), r"num_replicas must be >= 1, got 0"),
+      ("", dict(devices_per_worker=2, eval_batch_size=8),
+       r"eval_batch_size=8 must be a multiple of the 16 devices"),
+  ])
+  def test_refused_with_the_fix(self, arg, overrides, match):
+    with pytest.raises(ValueError, match=match):
+      config_lib.validate(load_config("digits", arg + ",smoke", **overrides))
+
+  def test_more_devices_than_visible(self):
+    c = load_config("digits", "parallelism=zero,smoke", num_replicas=4)  # 4 x 4 devices.
+    with pytest.raises(ValueError, match=r"mesh \{'replica': 4, 'data': 4\} needs 16 devices"):
+      train.make_mesh(c)
+
+  def test_resume_refuses_a_new_mesh_key(self):
+    refused, _ = train.config_changes({"num_replicas": 1}, {"num_replicas": 2})
+    assert set(refused) == {"num_replicas"}
+    # A checkpoint written before the key existed ran with one replica, on one device a worker.
+    refused, _ = train.config_changes({}, {"num_replicas": 2, "devices_per_worker": 2})
+    assert set(refused) == {"num_replicas", "devices_per_worker"}
+    assert train.config_changes({}, {"num_replicas": 1, "devices_per_worker": 1}) == ({}, {})
+
+
+def test_old_stage_strategy_key_is_named(tmp_path):
+  """A config that still sets stage_strategy is refused; an old checkpoint's value still counts."""
+  c = load_config("digits", "smoke")
+  c.unlock()
+  c.stage_strategy = "params"
+  with pytest.raises(ValueError, match="'stage_strategy' is now 'stages_by'.*--config.stages_by"):
+    config_lib.validate(c)
+  refused, _ = train.config_changes({"stage_strategy": "flops"}, {"stages_by": "blocks"})
+  assert refused == {"stages_by": ("flops", "blocks")}
+  assert train.config_changes({"stage_strategy": "blocks"}, {"stages_by": "blocks"}) == ({}, {})

@@ -6,6 +6,7 @@ the emulated device count.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import ml_collections
@@ -15,7 +16,7 @@ from cdpjax import schedule
 PARALLELISMS = ("data", "model", "zero")
 BACKENDS = ("shard_map", "pmap")
 LR_SCHEDULES = ("constant", "cosine", "step")
-STAGE_STRATEGIES = ("params", "flops", "blocks")
+STAGES_BY = ("params", "flops", "blocks")
 
 
 def load(path: str, arg: str | None = None, **overrides) -> ml_collections.ConfigDict:
@@ -75,7 +76,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.backend = "shard_map"
   c.num_workers = 8
   c.num_stages = 4
-  c.stage_strategy = "blocks"
+  c.stages_by = "blocks"  # How the model is cut into stages: blocks, params or flops.
+  # A pod's second mesh axis. parallelism=model|zero: R copies of the executed
+  # schedule, each on its own N = J micro-batches (R*N per step), each stage's
+  # gradient summed over the copies. parallelism=data: a worker is F devices,
+  # over which its state is sharded (same numbers as F = 1).
+  c.num_replicas = 1  # R.
+  c.devices_per_worker = 1  # F.
 
   c.per_worker_batch_size = 16
   c.eval_batch_size = 128
@@ -119,8 +126,18 @@ def shrink_for_smoke(c: ml_collections.ConfigDict, num_train_steps: int) -> None
   c.steps_per_call = 1
 
 
+# Keys renamed since a release: old name -> new name (a config or checkpoint may use the old).
+RENAMED_KEYS = {"stage_strategy": "stages_by"}
+# Keys added since, with the value a checkpoint that lacks them ran with.
+ADDED_KEYS = {"num_replicas": 1, "devices_per_worker": 1}
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the fix for a config that cannot run."""
+  for old, new in RENAMED_KEYS.items():
+    if old in c:
+      raise ValueError(f"The config key {old!r} is now {new!r}: set c.{new} (or "
+                       f"--config.{new}=...) instead.")
   rules = schedule.RULES + schedule.DYNAMIC_RULES
   if c.rule not in rules:
     raise ValueError(f"Unknown rule {c.rule!r}: set --config.rule to one of {', '.join(rules)}.")
@@ -134,20 +151,22 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ValueError("--config.final_mean_view reads the engine's parameter versions: use "
                      "--config.parallelism=data.")
   for key, valid in (("parallelism", PARALLELISMS), ("backend", BACKENDS),
-                     ("lr_schedule", LR_SCHEDULES), ("stage_strategy", STAGE_STRATEGIES)):
+                     ("lr_schedule", LR_SCHEDULES), ("stages_by", STAGES_BY)):
     if c[key] not in valid:
       raise ValueError(f"Unknown {key} {c[key]!r}: set --config.{key} to one of {valid}.")
-  for key in ("num_workers", "num_stages", "per_worker_batch_size", "eval_batch_size",
+  for key in ("num_workers", "num_stages", "num_replicas", "devices_per_worker",
+              "per_worker_batch_size", "eval_batch_size",
               "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
               "keep_checkpoints", "steps_per_call"):
     if c[key] < 1:
       raise ValueError(f"--config.{key} must be >= 1, got {c[key]}.")
   if c.num_train_steps < 1 and c.num_epochs <= 0:
     raise ValueError("Set --config.num_train_steps >= 1 or --config.num_epochs > 0.")
-  if c.eval_batch_size % c.num_workers:
+  _validate_mesh(c)
+  if c.eval_batch_size % num_devices(c):
     raise ValueError(
-        f"--config.eval_batch_size={c.eval_batch_size} must be a multiple of num_workers="
-        f"{c.num_workers} (evaluation is sharded over the workers).")
+        f"--config.eval_batch_size={c.eval_batch_size} must be a multiple of the {num_devices(c)} "
+        "devices of the mesh (evaluation is sharded over them).")
   if c.warmup_steps and c.warmup_epochs:
     raise ValueError("Set --config.warmup_steps or --config.warmup_epochs, not both.")
   if c.grad_clip_norm and c.parallelism != "data":
@@ -159,6 +178,20 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"parallelism={c.parallelism!r} runs N = J micro-batches: set --config.num_workers equal "
         f"to --config.num_stages (now {c.num_workers} and {c.num_stages}).")
+
+
+def _validate_mesh(c: ml_collections.ConfigDict) -> None:
+  """``num_replicas`` only for the executed schedules, ``devices_per_worker`` only for the engine."""
+  if c.num_replicas != 1 and c.parallelism == "data":
+    raise ValueError(
+        f"--config.num_replicas={c.num_replicas} copies an executed schedule "
+        "(parallelism=model or zero); parallelism=data runs every worker on the 'data' axis: "
+        "set --config.num_replicas=1 and raise --config.num_workers instead.")
+  if c.devices_per_worker != 1 and c.parallelism != "data":
+    raise ValueError(
+        f"--config.devices_per_worker={c.devices_per_worker} shards the engine's state inside a "
+        f"worker (parallelism=data); parallelism={c.parallelism!r} already places one stage per "
+        "device: set --config.devices_per_worker=1 (and --config.num_replicas for more devices).")
 
 
 def delay_rule(c: ml_collections.ConfigDict):
@@ -173,9 +206,31 @@ def delay_rule(c: ml_collections.ConfigDict):
       seed=c.seed)
 
 
+def mesh_axes(c: ml_collections.ConfigDict) -> tuple[tuple[int, ...], tuple[str, ...]]:
+  """``(shape, axis names)`` of the run's mesh.
+
+  ``model``: ``(stage,)``, or ``(replica, stage)`` with ``num_replicas > 1``;
+  ``zero``: ``(data,)`` or ``(replica, data)``; ``data``: ``(data,)``, or
+  ``(data, fsdp)`` with ``devices_per_worker > 1``.
+  """
+  if c.parallelism == "data":
+    inner = ((c.num_workers,), ("data",))
+    return inner if c.devices_per_worker == 1 else (
+        (c.num_workers, c.devices_per_worker), ("data", "fsdp"))
+  inner = ((c.num_stages,), ("stage",)) if c.parallelism == "model" else ((c.num_workers,), ("data",))
+  if c.num_replicas == 1:
+    return inner
+  return (c.num_replicas, *inner[0]), ("replica", *inner[1])
+
+
 def num_devices(c: ml_collections.ConfigDict) -> int:
-  """Devices the run's mesh needs."""
-  return c.num_stages if c.parallelism == "model" else c.num_workers
+  """Devices the run's mesh needs: ``R*J``, ``R*N`` or ``N*F``."""
+  return math.prod(mesh_axes(c)[0])
+
+
+def global_batch_size(c: ml_collections.ConfigDict) -> int:
+  """Rows per step: ``R*N*b`` (``R = 1`` under parallelism=data)."""
+  return c.num_replicas * c.num_workers * c.per_worker_batch_size
 
 
 # The paper's recipes (Fournier & Oyallon 2024, section 5): 8 workers, 4 stages.
@@ -199,7 +254,7 @@ def paper_config(dataset: str, model: str, arg: str | None) -> ml_collections.Co
   c.model_kwargs = ml_collections.ConfigDict({"stem": recipe.pop("stem")})
   c.rule = arg.rule
   c.parallelism = arg.parallelism
-  c.stage_strategy = "flops"
+  c.stages_by = "flops"
   c.optimizer = "sgd"
   c.momentum = 0.9
   c.lr_schedule = "step"

@@ -245,7 +245,9 @@ def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, 
     stage_ids: an int stage per parameter leaf (`cdpjax.stages`).
     sample_input: an input batch, to trace the model's execution order.
     rule: a name of ``schedule.RULES`` or a delay matrix.
-    mesh: the mesh of ``parallelism`` (axis ``data``, or ``stage`` for ``model``).
+    mesh: the mesh of ``parallelism``: axis ``data``, or ``stage`` for ``model``;
+      ``(replica, stage)`` or ``(replica, data)`` for replicas of ``model`` or
+      ``zero``; ``(data, fsdp)`` for an engine worker of several devices.
     loss_fn: ``loss_fn(outputs, labels)`` of the model's outputs.
     backend: the engine's backend (``shard_map`` or ``pmap``).
     scan_steps: ``K``: one ``step`` call runs ``K`` steps (see the module

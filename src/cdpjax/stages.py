@@ -18,7 +18,7 @@ import jax
 
 from cdpjax.compiled import flops
 
-STRATEGIES = ("params", "flops", "boundaries")
+PARTITIONS = ("params", "flops", "boundaries")
 
 
 class UnitCost(NamedTuple):
@@ -177,7 +177,7 @@ def _min_max_split(costs: Sequence[float], num_stages: int) -> list[int]:
   return starts[::-1]
 
 
-def partition(params, num_stages: int, *, order: Sequence[str], strategy: str = "params",
+def partition(params, num_stages: int, *, order: Sequence[str], by: str = "params",
               costs: Mapping[str, float] | None = None,
               boundaries: Sequence[int | str] | None = None):
   """Assigns every leaf of ``params`` to one of ``num_stages`` contiguous stages.
@@ -187,7 +187,7 @@ def partition(params, num_stages: int, *, order: Sequence[str], strategy: str = 
       (``variables["params"]``).
     num_stages: ``J >= 1``.
     order: the units in execution order, from `execution_order`.
-    strategy: ``params`` balances parameter counts, ``flops`` balances
+    by: ``params`` balances parameter counts, ``flops`` balances
       ``costs``; both minimise the largest stage cost. ``boundaries`` uses
       ``boundaries`` as given.
     costs: per-unit cost for ``flops``, e.g. ``{k: c.flops for k, c in
@@ -199,14 +199,14 @@ def partition(params, num_stages: int, *, order: Sequence[str], strategy: str = 
     ``stage_ids``: a pytree with the structure of ``params`` holding the python
     int stage of every leaf.
   """
-  if strategy not in STRATEGIES:
-    raise ValueError(f"Unknown strategy {strategy!r}. Use one of {', '.join(STRATEGIES)}.")
+  if by not in PARTITIONS:
+    raise ValueError(f"Unknown by={by!r}. Use one of {', '.join(PARTITIONS)}.")
   if int(num_stages) != num_stages or num_stages < 1:
     raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
-  if (costs is not None) != (strategy == "flops"):
-    raise ValueError("Pass costs exactly when strategy='flops' (per-unit FLOPs from unit_costs).")
-  if (boundaries is not None) != (strategy == "boundaries"):
-    raise ValueError("Pass boundaries exactly when strategy='boundaries'.")
+  if (costs is not None) != (by == "flops"):
+    raise ValueError("Pass costs exactly when by='flops' (per-unit FLOPs from unit_costs).")
+  if (boundaries is not None) != (by == "boundaries"):
+    raise ValueError("Pass boundaries exactly when by='boundaries'.")
   order = list(order)
   if len(set(order)) != len(order) or set(order) != set(params):
     raise ValueError(
@@ -218,7 +218,7 @@ def partition(params, num_stages: int, *, order: Sequence[str], strategy: str = 
         f"Cannot split {n} units ({', '.join(order)}) into {num_stages} non-empty stages: use "
         f"at most {n} stages, or a model with more top-level blocks.")
 
-  if strategy == "boundaries":
+  if by == "boundaries":
     if len(boundaries) != num_stages - 1:
       raise ValueError(
           f"{num_stages} stages need {num_stages - 1} boundaries (where stages 1..J-1 begin), "
@@ -235,7 +235,7 @@ def partition(params, num_stages: int, *, order: Sequence[str], strategy: str = 
           f"Boundaries {list(boundaries)} (indices {starts}) must be strictly increasing unit "
           f"indices in 1..{n - 1} so that every stage is non-empty.")
   else:
-    if strategy == "params":
+    if by == "params":
       unit_cost = {k: _num_params(params[k]) for k in order}
     else:
       if set(order) - set(costs):
@@ -248,20 +248,20 @@ def partition(params, num_stages: int, *, order: Sequence[str], strategy: str = 
 
 
 def model_stage_ids(model: nn.Module, params, num_stages: int, sample_input, *,
-                    strategy: str = "params", boundaries: Sequence[int | str] | None = None,
+                    by: str = "params", boundaries: Sequence[int | str] | None = None,
                     **call_kwargs):
   """`partition` of ``params`` in the execution order of ``model`` on ``sample_input``.
 
   ``call_kwargs`` go to ``model.__call__`` (and ``rngs`` to ``model.init``).
-  FLOPs are only compiled for ``strategy="flops"``.
+  FLOPs are only compiled for ``by="flops"``.
   """
   costs = None
-  if strategy == "flops":
+  if by == "flops":
     unit = unit_costs(model, sample_input, **call_kwargs)
     order, costs = list(unit), {k: c.flops for k, c in unit.items()}
   else:
     order = execution_order(model, sample_input, **call_kwargs)
-  return partition(params, num_stages, order=order, strategy=strategy, costs=costs,
+  return partition(params, num_stages, order=order, by=by, costs=costs,
                    boundaries=boundaries)
 
 

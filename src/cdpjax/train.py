@@ -98,18 +98,18 @@ def model_stage_ids(c, model, params, sample):
   ``blocks`` puts ``num_blocks / J`` of the units named ``block_<k>`` on each
   stage (what comes before the first block joins stage 0, the rest the last).
   """
-  if c.stage_strategy == "blocks":
+  if c.stages_by == "blocks":
     blocks = sum(1 for name in params if re.fullmatch(r"block_\d+", name))
     if not blocks or blocks % c.num_stages:
       raise ValueError(
-          f"stage_strategy='blocks' needs a model of units block_0..block_<L-1> with L a "
+          f"stages_by='blocks' needs a model of units block_0..block_<L-1> with L a "
           f"multiple of num_stages ({c.num_stages}); {c.model!r} has {blocks}. Change the "
-          "model's number of blocks or use --config.stage_strategy=params (or flops).")
+          "model's number of blocks or use --config.stages_by=params (or flops).")
     per = blocks // c.num_stages
-    return stages.model_stage_ids(model, params, c.num_stages, sample, strategy="boundaries",
+    return stages.model_stage_ids(model, params, c.num_stages, sample, by="boundaries",
                                   boundaries=[f"block_{s * per}" for s in range(1, c.num_stages)],
                                   train=False)
-  return stages.model_stage_ids(model, params, c.num_stages, sample, strategy=c.stage_strategy,
+  return stages.model_stage_ids(model, params, c.num_stages, sample, by=c.stages_by,
                                 train=False)
 
 
@@ -148,7 +148,7 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
   plan = executors[num].plan
   idle = plan.idle_fraction(num)
   if jax.process_index() == 0:
-    print(f"cdpjax: {plan.describe()}; steps per compiled call: {num}, idle fraction {idle:.3f} "
+    print(f"cdpjax: {plan.describe()}{_mesh_words(c)}; steps per compiled call: {num}, idle fraction {idle:.3f} "
           f"({plan.idle_fraction(1):.3f} at one step per call)", flush=True)
 
   def step(state, batches, norms):
@@ -165,24 +165,36 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
                 variables=executors[num].variables, steps_per_call=num, idle_fraction=idle)
 
 
+def _mesh_words(c) -> str:
+  """What the second mesh axis adds, for the log line (empty on a 1-D mesh)."""
+  if c.num_replicas > 1:
+    return (f", {c.num_replicas} replicas of it ({config_lib.global_batch_size(c)} rows, "
+            f"{c.num_replicas * c.num_workers} micro-batches per step)")
+  if c.devices_per_worker > 1:
+    return f", each worker on {c.devices_per_worker} devices (state sharded over 'fsdp')"
+  return ""
+
+
 def make_mesh(c: ml_collections.ConfigDict):
-  """The mesh of ``config.parallelism`` over the first devices of every process.
+  """The mesh of ``config.parallelism`` (`config.mesh_axes`) over the first devices of every process.
 
   With several processes, each gives the same number of devices, in process
-  order: process ``p`` holds the ``p``-th block of rows, the rows it loads.
+  order: process ``p`` holds the ``p``-th block of rows, the rows it loads
+  (the mesh's devices in row-major order are the rows' order).
   """
+  shape, names = config_lib.mesh_axes(c)
   needed = config_lib.num_devices(c)
   devices = jax.devices()
   if len(devices) < needed:
     raise ValueError(
-        f"parallelism={c.parallelism!r} with num_workers={c.num_workers}, num_stages="
-        f"{c.num_stages} needs {needed} devices, but only {len(devices)} are visible. On CPU, "
+        f"parallelism={c.parallelism!r} on a mesh {dict(zip(names, shape))} needs {needed} "
+        f"devices, but only {len(devices)} are visible. On CPU, "
         f"set XLA_FLAGS=--xla_force_host_platform_device_count={needed} (the launcher does this "
         "unless XLA_FLAGS already sets a count).")
-  axis = "stage" if c.parallelism == "model" else "data"
   count = jax.process_count()
   if count == 1:
-    return jax.make_mesh((needed,), (axis,), devices=devices[:needed])
+    return jax.make_mesh(shape, names, devices=devices[:needed],
+                         axis_types=(jax.sharding.AxisType.Explicit,) * len(names))
   per_process = needed // count
   if needed % count or jax.local_device_count() < per_process:
     raise ValueError(
@@ -191,27 +203,35 @@ def make_mesh(c: ml_collections.ConfigDict):
         f"processes that divides {needed}, each with at least {needed} / processes devices.")
   devices = [d for p in range(count) for d in jax.local_devices(process_index=p)[:per_process]]
   # Not jax.make_mesh: on TPU it may reorder devices across processes.
-  return jax.sharding.Mesh(np.array(devices), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
+  return jax.sharding.Mesh(np.array(devices).reshape(shape), names,
+                           axis_types=(jax.sharding.AxisType.Explicit,) * len(names))
+
+
+def _rows_spec(mesh, num_rows: int) -> P:
+  """Rows over every mesh axis (row-major: process ``p`` holds block ``p``), else the first."""
+  return P(tuple(mesh.axis_names) if num_rows % mesh.size == 0 else mesh.axis_names[0])
 
 
 def make_eval_fn(task: tasks.Task, mesh):
   """The task's eval metrics from its sums (e.g. correct, loss, weights) over sharded batches."""
-  axis = mesh.axis_names[0]
+  axes = tuple(mesh.axis_names)  # Every device evaluates its rows (config.validate: divisible).
 
   # Per device on its rows, then summed: plain jit cannot infer the sharding
   # of an embedding lookup with sharded token ids under explicit mesh axes.
   @jax.jit
-  @jax.shard_map(mesh=mesh, in_specs=(P(), P(axis)), out_specs=P())
+  @jax.shard_map(mesh=mesh, in_specs=(P(), P(axes)), out_specs=P())
   def sums(variables, batch):
     local = task.eval_sums(task.model.apply(variables, task.inputs(batch), train=False), batch)
-    return jax.lax.psum(local, axis)
+    return jax.lax.psum(local, axes)
 
   replicated = NamedSharding(mesh, P())
 
   def on_mesh(x):
     # The pmap backend returns its state on pmap's own mesh (Auto axes), which
-    # jit refuses to mix with the batch's (Explicit axes): place it on ours.
-    if not isinstance(x, jax.Array) or getattr(x.sharding, "mesh", None) == mesh:
+    # jit refuses to mix with the batch's (Explicit axes), and a worker of
+    # several devices shards it over 'fsdp': replicate it on ours.
+    if not isinstance(x, jax.Array) or (getattr(x.sharding, "mesh", None) == mesh
+                                        and x.sharding.is_fully_replicated):
       return x
     return jax.device_put(x, replicated)
 
@@ -263,8 +283,11 @@ def config_changes(saved: dict, current: dict) -> tuple[dict, dict]:
   """``(refused, allowed)``: the keys whose value differs, as ``{key: (saved, current)}``.
 
   A key the checkpoint does not know (one added to the configs since) is not
-  compared.
+  compared, unless `config.ADDED_KEYS` gives the value it ran with; a renamed
+  key (`config.RENAMED_KEYS`) is compared under its new name.
   """
+  saved = {**config_lib.ADDED_KEYS,
+           **{config_lib.RENAMED_KEYS.get(k, k): v for k, v in saved.items()}}
   diff = {k: (saved[k], v) for k, v in current.items() if k in saved and saved[k] != v}
   allowed = {k: d for k, d in diff.items() if k in RESUMABLE_KEYS}
   return {k: d for k, d in diff.items() if k not in allowed}, allowed
@@ -599,7 +622,7 @@ class _Run(NamedTuple):
 def _build(c) -> _Run:
   task = tasks.build(c, model_kwargs=_model_kwargs(c))
   dataset, model, sample = task.dataset, task.model, task.sample_input
-  global_batch = c.num_workers * c.per_worker_batch_size
+  global_batch = config_lib.global_batch_size(c)
   steps_per_epoch = max(1, dataset.num_train // global_batch)
   num_steps = c.num_train_steps if c.num_train_steps > 0 else int(
       math.ceil(c.num_epochs * steps_per_epoch))
@@ -835,11 +858,14 @@ def export_final_models(c, state, variables_of, model, sample, workdir, evaluate
 
 
 def to_global(local_batch: dict, mesh, stacked: bool = False) -> dict:
-  """The process-local rows as one global array sharded over the mesh's first axis.
+  """The process-local rows as one global array, sharded by `_rows_spec`.
 
   ``stacked``: leaves are ``[K, rows, ...]``, the rows of ``K`` steps.
   """
-  sharding = NamedSharding(mesh, P(*([None] if stacked else []), mesh.axis_names[0]))
-  if jax.process_count() == 1:
-    return jax.device_put(local_batch, sharding)
-  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
+  def put(x):
+    rows = x.shape[int(stacked)] * jax.process_count()
+    sharding = NamedSharding(mesh, P(*([None] if stacked else []), *_rows_spec(mesh, rows)))
+    if jax.process_count() == 1:
+      return jax.device_put(x, sharding)
+    return jax.make_array_from_process_local_data(sharding, x)
+  return jax.tree.map(put, local_batch)
