@@ -21,9 +21,10 @@ def _digits(**overrides):
 
 @pytest.fixture(scope="module")
 def executed():
-  """CDP + MP (cyclic pipeline) and ZeRO-3, compiled for v5e:2x4 in this process."""
-  return {par: aot.compile_config(_digits(parallelism=par, rule=rule), TOPOLOGY)
-          for par, rule in (("model", "cdp-v2"), ("zero", "dp"))}
+  """CDP + MP (cyclic pipeline) and ZeRO-3 on all 8 chips (4 replicas of 2 workers), compiled
+  for v5e:2x4 in this process."""
+  return {par: aot.compile_config(_digits(parallelism=par, rule=rule, **kw), TOPOLOGY)
+          for par, rule, kw in (("model", "cdp-v2", {}), ("zero", "dp", {"num_replicas": 4}))}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,8 @@ def test_zero3_gathers_parameters_without_permutes(executed):
   counts = _counts(executed["zero"])
   assert counts and "collective-permute" not in counts, counts
   assert "ZeRO-3" in executed["zero"]["runs"]
+  assert executed["zero"]["mesh"] == {"replica": 4, "data": 2}
+  assert executed["zero"]["devices_used"] == executed["zero"]["chips"] == 8
 
 
 def test_memory_flops_and_fit_are_consistent(executed, engine_run):

@@ -12,11 +12,13 @@ Nothing is executed.
   cdpjax-compile --config configs/imagenet_resnet50.py:rule=cdp-v2 \\
     --config.num_workers=256 --topology v5e:16x16 --workdir runs/plan
 
-The mesh is the one ``cdpjax-train`` builds (`cdpjax.train.make_mesh`): one
-axis of ``num_workers`` devices (``num_stages`` for ``parallelism=model``), on
-the first chips of the topology. For a full pod (``v5e:16x16``) the TPU
+The mesh is the one ``cdpjax-train`` builds (`cdpjax.train.make_mesh`), on
+the first chips of the topology: ``num_workers`` devices (``num_stages`` for
+``parallelism=model``), times ``num_replicas`` (``model``, ``zero``) or
+``devices_per_worker`` (``data``). For a full pod (``v5e:16x16``) the TPU
 compiler compiles for all its chips, so the mesh must use every chip (a
-``ValueError`` says so); smaller slices such as ``v5e:2x4`` take fewer.
+``ValueError`` says so): ``num_replicas = 256 / J`` copies of an executed
+schedule fill it. Smaller slices such as ``v5e:2x4`` take fewer.
 """
 from __future__ import annotations
 
@@ -94,8 +96,8 @@ def _model_and_batch(c):
   """The model, a one-row sample input and the abstract global batch of config ``c``."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from cdpjax import data, models, train  # pylint: disable=g-import-not-at-top
-  rows = c.num_workers * c.per_worker_batch_size
+  from cdpjax import config as config_lib, data, models, train  # pylint: disable=g-import-not-at-top
+  rows = config_lib.global_batch_size(c)
   if c.dataset in data.TEXT_DATASETS:
     if c.model != "transformer":
       raise ValueError(f"dataset={c.dataset!r} is text: set --config.model=transformer.")
@@ -130,11 +132,10 @@ def build(c, devices):
                      "--config.backend=shard_map.")
   needed = config_lib.num_devices(c)
   if needed > len(devices):
-    raise ValueError(f"The mesh needs {needed} devices (num_workers={c.num_workers}, num_stages="
-                     f"{c.num_stages}, parallelism={c.parallelism!r}); the topology has "
-                     f"{len(devices)} chips. Use a larger topology or fewer workers.")
-  axis = "stage" if c.parallelism == "model" else "data"
-  mesh = jax.make_mesh((needed,), (axis,), devices=devices[:needed])
+    raise ValueError(f"The mesh {dict(zip(*config_lib.mesh_axes(c)[::-1]))} needs {needed} "
+                     f"devices (parallelism={c.parallelism!r}); the topology has {len(devices)} "
+                     "chips. Use a larger topology, or fewer workers or replicas.")
+  mesh = train.make_mesh(c, devices)
   model, sample, batch = _model_and_batch(c)
   variables = jax.eval_shape(lambda k: model.init(k, sample, train=False), jax.random.key(0))
   params = variables["params"]
@@ -148,11 +149,12 @@ def build(c, devices):
   state = jax.eval_shape(executor.init, params, model_state)
   # The engine lowers abstract inputs as they are: they carry its placement (replicated state,
   # rows split over the workers). The executed timetables place them themselves.
-  replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(axis))
+  replicated = NamedSharding(mesh, P())
+  rows = NamedSharding(mesh, train.rows_spec(mesh, batch["label"].shape[0]))
   state = executor_lib.place(state, replicated)
   batch = executor_lib.place(batch, rows)
   lowered = executor.lower(state, batch)
-  info = {"mesh": {axis: needed}, "runs": executor.plan.describe(),
+  info = {"mesh": dict(mesh.shape), "runs": executor.plan.describe(),
           "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(params))}
   return lowered, info
 
@@ -176,8 +178,9 @@ def report(lowered, topology: str) -> dict:
     raise ValueError(
         f"The TPU compiler compiles for every chip of {topology}, and this step uses fewer "
         f"than its {parse_topology(topology)[1]} chips. Use a topology "
-        "with as many chips as the mesh (e.g. v5e:2x2 for 4 stages), or set num_workers to "
-        "the chip count (parallelism=data).") from e
+        "with as many chips as the mesh (e.g. v5e:2x2 for 4 stages), or fill the chips: "
+        "num_workers = chips (parallelism=data), or num_replicas = chips / J "
+        "(parallelism=model or zero: R copies of the executed schedule).") from e
   memory = compiled.memory(program)
   analysis = program.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.

@@ -175,23 +175,25 @@ def _mesh_words(c) -> str:
   return ""
 
 
-def make_mesh(c: ml_collections.ConfigDict):
+def make_mesh(c: ml_collections.ConfigDict, devices=None):
   """The mesh of ``config.parallelism`` (`config.mesh_axes`) over the first devices of every process.
 
   With several processes, each gives the same number of devices, in process
   order: process ``p`` holds the ``p``-th block of rows, the rows it loads
-  (the mesh's devices in row-major order are the rows' order).
+  (the mesh's devices in row-major order are the rows' order). ``devices``:
+  build it on these instead (one process; e.g. a TPU topology's, `cdpjax.aot`).
   """
   shape, names = config_lib.mesh_axes(c)
   needed = config_lib.num_devices(c)
-  devices = jax.devices()
+  given = devices is not None
+  devices = jax.devices() if devices is None else list(devices)
   if len(devices) < needed:
     raise ValueError(
         f"parallelism={c.parallelism!r} on a mesh {dict(zip(names, shape))} needs {needed} "
         f"devices, but only {len(devices)} are visible. On CPU, "
         f"set XLA_FLAGS=--xla_force_host_platform_device_count={needed} (the launcher does this "
         "unless XLA_FLAGS already sets a count).")
-  count = jax.process_count()
+  count = 1 if given else jax.process_count()
   if count == 1:
     return jax.make_mesh(shape, names, devices=devices[:needed],
                          axis_types=(jax.sharding.AxisType.Explicit,) * len(names))
@@ -207,7 +209,7 @@ def make_mesh(c: ml_collections.ConfigDict):
                            axis_types=(jax.sharding.AxisType.Explicit,) * len(names))
 
 
-def _rows_spec(mesh, num_rows: int) -> P:
+def rows_spec(mesh, num_rows: int) -> P:
   """Rows over every mesh axis (row-major: process ``p`` holds block ``p``), else the first."""
   return P(tuple(mesh.axis_names) if num_rows % mesh.size == 0 else mesh.axis_names[0])
 
@@ -858,13 +860,13 @@ def export_final_models(c, state, variables_of, model, sample, workdir, evaluate
 
 
 def to_global(local_batch: dict, mesh, stacked: bool = False) -> dict:
-  """The process-local rows as one global array, sharded by `_rows_spec`.
+  """The process-local rows as one global array, sharded by `rows_spec`.
 
   ``stacked``: leaves are ``[K, rows, ...]``, the rows of ``K`` steps.
   """
   def put(x):
     rows = x.shape[int(stacked)] * jax.process_count()
-    sharding = NamedSharding(mesh, P(*([None] if stacked else []), *_rows_spec(mesh, rows)))
+    sharding = NamedSharding(mesh, P(*([None] if stacked else []), *rows_spec(mesh, rows)))
     if jax.process_count() == 1:
       return jax.device_put(x, sharding)
     return jax.make_array_from_process_local_data(sharding, x)
