@@ -169,7 +169,11 @@ def report(lowered, topology: str) -> dict:
   (`cdpjax.compiled.collectives`): an instruction inside a loop (the slot
   scan of the executed timetables) or a branch is counted once.
   """
+  import jax  # pylint: disable=g-import-not-at-top
   from cdpjax import compiled  # pylint: disable=g-import-not-at-top
+  # A TPU executable in the persistent compilation cache cannot be read back on this host.
+  cache = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
   try:
     program = lowered.compile()
   except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
@@ -181,6 +185,8 @@ def report(lowered, topology: str) -> dict:
         "with as many chips as the mesh (e.g. v5e:2x2 for 4 stages), or fill the chips: "
         "num_workers = chips (parallelism=data), or num_replicas = chips / J "
         "(parallelism=model or zero: R copies of the executed schedule).") from e
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
   memory = compiled.memory(program)
   analysis = program.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
