@@ -170,10 +170,13 @@ def report(lowered, topology: str) -> dict:
   scan of the executed timetables) or a branch is counted once.
   """
   import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
   from cdpjax import compiled  # pylint: disable=g-import-not-at-top
-  # A TPU executable in the persistent compilation cache cannot be read back on this host.
+  # A TPU executable in the persistent compilation cache cannot be read back on this host:
+  # the cache is off for this compile (reset_cache: the flag is read when the cache starts).
   cache = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
   try:
     program = lowered.compile()
   except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
@@ -187,6 +190,7 @@ def report(lowered, topology: str) -> dict:
         "(parallelism=model or zero: R copies of the executed schedule).") from e
   finally:
     jax.config.update("jax_enable_compilation_cache", cache)
+    compilation_cache.reset_cache()
   memory = compiled.memory(program)
   analysis = program.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
