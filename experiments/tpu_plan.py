@@ -12,11 +12,10 @@ per-chip peak memory and collective bytes per step next to the cost model's
 
 Strategies: DP, CDP-v1 and CDP-v2 on the engine (one worker per chip: ``N``
 = the topology's chips), GPipe and CDP+MP (the executed pipeline), ZeRO-3 and
-CDP+ZeRO (``N = J = 4`` chips). The executed timetables run one pipeline or
-ring (on a pod, the other chips would hold replicas of it, a 2-D mesh not
-built here), and the TPU compiler compiles a full pod's program for all of
-its chips, so they are compiled for the 4-chip slice one pipeline occupies
-(``STAGE_SLICE``: v5e:2x2, v5p:2x2x1).
+CDP+ZeRO (``N = J = 4`` chips per ring). The executed timetables fill the pod
+with ``R = chips / J`` replicas of one pipeline or ring (the launcher's
+``(replica, stage)`` and ``(replica, data)`` meshes, ``num_replicas``), as a
+pod run would.
 
 Each compiled point is cached as JSON in ``--results_dir/points`` and is not
 compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead.
@@ -48,16 +47,12 @@ PLANS = {
     ],
     "quick": [("digits-mlp", "configs/digits.py", {}, {}, "v5e:2x4")],
 }
-# The executed timetables use J = 4 chips. The TPU compiler compiles a program of a
-# full pod for all its chips, so they compile for the slice of J chips that one
-# pipeline (or ring) of the pod occupies.
-STAGE_SLICE = {"v5e:16x16": "v5e:2x2", "v5p:8x8x4": "v5p:2x2x1", "v5e:2x4": "v5e:2x4"}
 NUM_STAGES = {"full": 4, "quick": 2}
 OPTIMIZER_FACTOR = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}  # Optimizer bytes per parameter byte.
 
 
 def point_config(path, overrides, model_kwargs, strategy, chips, num_stages):
-  """The config of one strategy: the engine on every chip, the executed timetables on ``J``."""
+  """The config of one strategy: the engine on every chip, replicas of the executed timetables."""
   from cdpjax import config as config_lib  # pylint: disable=g-import-not-at-top
   file, _, arg = path.partition(":")
   rule, parallelism = STRATEGIES[strategy]
@@ -65,7 +60,8 @@ def point_config(path, overrides, model_kwargs, strategy, chips, num_stages):
   c = config_lib.load(os.path.join(_common.REPO, file), arg or None, **overrides)
   with c.unlocked():
     c.rule, c.parallelism, c.num_workers, c.num_stages = rule, parallelism, workers, num_stages
-    c.eval_batch_size = workers
+    c.num_replicas = 1 if parallelism == "data" else chips // num_stages
+    c.eval_batch_size = chips
     c.grad_clip_norm = 0.0  # The executed timetables do not clip; the same optimizer for all.
     c.model_kwargs.update(model_kwargs)
   return c
@@ -227,8 +223,6 @@ def main(argv=None):
     for strategy in args.strategies:
       topology = pod
       c = point_config(path, overrides, model_kwargs, strategy, chips, NUM_STAGES[plan])
-      if STRATEGIES[strategy][1] != "data":
-        topology = STAGE_SLICE[pod]
       if c.model == "transformer":  # From the cost model alone: no compile.
         line = peak_line(c.copy_and_resolve_references(), strategy, NUM_STAGES[plan])
         for other in ("v5e:16x16", "v5p:8x8x4"):
