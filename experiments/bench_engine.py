@@ -18,7 +18,9 @@ mesh and batch within a workload:
   ``copy`` instructions of each compiled step.
 
 Steps are interleaved so machine drift hits all variants alike; warm-up is
-excluded and the median of ``--steps`` steps is taken. Goals: every ratio
+excluded and the median of ``--steps`` steps is taken; that is repeated
+``--repeats`` times from fresh states, and each ratio is the median of its
+repeats with their range printed beside it (the noise). Goals: every ratio
 <= 1.05; CDP's extra peak equal to its stale stages' bytes; no copies.
 
   python experiments/bench_engine.py          # results/bench_engine/bench_engine.json
@@ -132,31 +134,35 @@ def measure(name: str, args) -> dict:
     stale = sum(x.nbytes for x in jax.tree.leaves(state.stale_params))
     rows[f"engine {rule}"] = {**compiled.memory(program), "stale_bytes": stale,
                               "parameter_copies": parameter_copies(program.as_text(), params)}
-    programs[f"engine {rule}"] = (lambda s, b, step=step: step(s, b, norms=False), state,
-                                  device_batch)
+    programs[f"engine {rule}"] = (lambda s, b, step=step: step(s, b, norms=False),
+                                  lambda step=step: step.init(params))
     if rule == "dp":
-      programs["engine dp, norms"] = (step, step.init(params), device_batch)
+      programs["engine dp, norms"] = (step, lambda step=step: step.init(params))
   plain = plain_dp_step(loss_fn, tx, mesh)
-  plain_state = jax.device_put((jax.tree.map(jnp.array, params), tx.init(params)),
-                               NamedSharding(mesh, P()))
-  rows["plain dp"] = compiled.memory(plain.lower(plain_state, device_batch).compile())
-  programs["plain dp"] = (plain, plain_state, device_batch)
+  plain_init = lambda: jax.device_put((jax.tree.map(jnp.array, params), tx.init(params)),  # noqa: E731
+                                      NamedSharding(mesh, P()))
+  rows["plain dp"] = compiled.memory(plain.lower(plain_init(), device_batch).compile())
+  programs["plain dp"] = (plain, plain_init)
 
-  step_s = _common.interleaved_step_times(programs, steps=args.steps, warmup=args.warmup)
-  for key, seconds in step_s.items():
-    rows.setdefault(key, {})["median_step_s"] = seconds
+  # Each repeat starts from fresh states (the steps donate theirs); a ratio is
+  # the median of its repeats' ratios, with their range as the noise.
+  repeats = [_common.interleaved_step_times(
+      {name: (fn, init(), device_batch) for name, (fn, init) in programs.items()},
+      steps=args.steps, warmup=args.warmup) for _ in range(args.repeats)]
+  for key in programs:
+    rows.setdefault(key, {})["median_step_s"] = float(np.median([r[key] for r in repeats]))
+  pairs = {"cdp-v1/dp": ("engine cdp-v1", "engine dp"), "cdp-v2/dp": ("engine cdp-v2", "engine dp"),
+           "engine dp/plain dp": ("engine dp", "plain dp"),
+           "norms on/off": ("engine dp, norms", "engine dp")}
+  per_repeat = {k: [r[a] / r[b] for r in repeats] for k, (a, b) in pairs.items()}
+  ratios = {k: float(np.median(v)) for k, v in per_repeat.items()}
+  ratio_range = {k: [float(min(v)), float(max(v))] for k, v in per_repeat.items()}
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  ratios = {
-      "cdp-v1/dp": step_s["engine cdp-v1"] / step_s["engine dp"],
-      "cdp-v2/dp": step_s["engine cdp-v2"] / step_s["engine dp"],
-      "engine dp/plain dp": step_s["engine dp"] / step_s["plain dp"],
-      "norms on/off": step_s["engine dp, norms"] / step_s["engine dp"],
-  }
   extra = {rule: rows[f"engine {rule}"]["peak_bytes"] - rows["engine dp"]["peak_bytes"]
            for rule in RULES[1:]}
   return {
       "workload": name, "param_bytes": param_bytes, "per_worker_batch": per_worker_batch,
-      "variants": rows, "ratios": ratios,
+      "variants": rows, "ratios": ratios, "ratio_range_over_repeats": ratio_range,
       "extra_peak_over_stale_bytes": {
           rule: extra[rule] / max(1, rows[f"engine {rule}"]["stale_bytes"]) for rule in extra},
       "goals_met": {
@@ -174,6 +180,8 @@ def main(argv=None):
   parser = _common.parser("bench_engine", __doc__)
   parser.add_argument("--steps", type=int, default=30, help="Timed steps per variant.")
   parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="Interleaved timings from fresh states; ratios are their median.")
   parser.add_argument("--per_worker_batch", type=int, default=32, help="MLP rows per worker.")
   parser.add_argument("--resnet_batch", type=int, default=8, help="ResNet images per worker.")
   parser.add_argument("--lm_batch", type=int, default=4,
@@ -184,8 +192,10 @@ def main(argv=None):
   if args.quick:
     args.steps, args.warmup, args.per_worker_batch, args.resnet_batch, args.lm_batch = (
         3, 1, 4, 2, 1)
+    args.repeats = 2
   results = [measure(name, args) for name in args.workloads]
   result = {"devices": NUM_WORKERS, "num_stages": NUM_STAGES, "steps": args.steps,
+            "repeats": args.repeats,
             "workloads": results, "machine": _common.machine()}
   out = _common.results_dir(args) / "bench_engine.json"
   _common.write_json(out, result)
@@ -198,7 +208,8 @@ def main(argv=None):
       print(f"{name:<18}{1e3 * v['median_step_s']:>9.2f}{peak:>10}"
             f"{v.get('stale_bytes', 0) / 1024:>10.1f}{v.get('parameter_copies', ''):>7}")
     for name, v in r["ratios"].items():
-      print(f"  {name:<20}{v:.3f}")
+      low, high = r["ratio_range_over_repeats"][name]
+      print(f"  {name:<20}{v:.3f}  ({low:.3f}-{high:.3f} over {args.repeats} repeats)")
     for rule, v in r["extra_peak_over_stale_bytes"].items():
       print(f"  extra peak of {rule} over dp / its stale bytes: {v:.3f}")
   print(f"wrote {out}")

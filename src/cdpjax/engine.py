@@ -559,8 +559,10 @@ def make_train_step(
   if scan_steps is not None and (int(scan_steps) != scan_steps or scan_steps < 1):
     raise ValueError(f"scan_steps must be a positive int or None, got {scan_steps!r}.")
   # Inside a scan the slots must end where they began, so the versions shift
-  # (XLA copies them); a group of D + 1 unrolled steps would rotate back but
-  # raised the CPU peak by a parameter copy (measured), more than the copies.
+  # (XLA copies them). A scan over groups of D + 1 unrolled, rotating steps
+  # copies nothing but costs more peak memory than the copies (measured at
+  # K = 8, 3-stage MLP, peak over dp in parameter sizes: CPU cdp-v1 +3.0
+  # against +1.67 shifting; TPU v5e AOT +1.40 against +1.10, one copy).
   r = _resolve_rule(rule, stage_ids, int(mesh.shape[axis_name]), rotate=scan_steps is None)
   within = tuple(a for a in mesh.axis_names if a != axis_name)  # Axes inside a worker.
   if within and backend != "shard_map":
