@@ -15,7 +15,15 @@ mesh and batch within a workload:
   is left is the per-stage bucket packing that gives exactly J all-reduces;
 - compiled memory of each from ``memory_analysis()``: CDP's extra peak over
   DP against the bytes of the stale stages it keeps, and the parameter-sized
-  ``copy`` instructions of each compiled step.
+  ``copy`` instructions of each compiled step;
+- the bytes each compiled step reads and writes (``cost_analysis()``), beyond
+  engine dp's, in parameter sizes: the fixed per-parameter cost of a rule
+  (cdp-v2's per-worker choice of version is a select that reads two versions
+  and writes one), apart from overhead. XLA counts both branches of the
+  engine's norms conditional (4 parameter sizes) though a step without norms
+  runs neither pass; the rest of engine dp's excess over the hand-written
+  step is the per-stage bucket packing (JAX lowers a variadic ``psum`` to one
+  all-reduce per operand, so packing is what keeps exactly ``J``).
 
 Steps are interleaved so machine drift hits all variants alike; warm-up is
 excluded and the median of ``--steps`` steps is taken; that is repeated
@@ -110,6 +118,14 @@ def parameter_copies(hlo_text: str, params) -> int:
              and line.split("=")[1].split("{")[0].strip() in shapes)
 
 
+def bytes_accessed(program) -> float:
+  """XLA's count of the bytes a compiled step reads and writes (``cost_analysis``)."""
+  analysis = program.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
+    analysis = analysis[0]
+  return float(analysis.get("bytes accessed", 0.0))
+
+
 def measure(name: str, args) -> dict:
   mesh = jax.make_mesh((NUM_WORKERS,), ("data",))
   per_worker_batch = {"mlp": args.per_worker_batch, "resnet18": args.resnet_batch,
@@ -133,7 +149,8 @@ def measure(name: str, args) -> dict:
     program = step.lower(state, device_batch, norms=False).compile()
     stale = sum(x.nbytes for x in jax.tree.leaves(state.stale_params))
     rows[f"engine {rule}"] = {**compiled.memory(program), "stale_bytes": stale,
-                              "parameter_copies": parameter_copies(program.as_text(), params)}
+                              "parameter_copies": parameter_copies(program.as_text(), params),
+                              "bytes_accessed": bytes_accessed(program)}
     programs[f"engine {rule}"] = (lambda s, b, step=step: step(s, b, norms=False),
                                   lambda step=step: step.init(params))
     if rule == "dp":
@@ -141,7 +158,8 @@ def measure(name: str, args) -> dict:
   plain = plain_dp_step(loss_fn, tx, mesh)
   plain_init = lambda: jax.device_put((jax.tree.map(jnp.array, params), tx.init(params)),  # noqa: E731
                                       NamedSharding(mesh, P()))
-  rows["plain dp"] = compiled.memory(plain.lower(plain_init(), device_batch).compile())
+  program = plain.lower(plain_init(), device_batch).compile()
+  rows["plain dp"] = {**compiled.memory(program), "bytes_accessed": bytes_accessed(program)}
   programs["plain dp"] = (plain, plain_init)
 
   # Each repeat starts from fresh states (the steps donate theirs); a ratio is
@@ -163,6 +181,11 @@ def measure(name: str, args) -> dict:
   return {
       "workload": name, "param_bytes": param_bytes, "per_worker_batch": per_worker_batch,
       "variants": rows, "ratios": ratios, "ratio_range_over_repeats": ratio_range,
+      # Fixed per-parameter traffic: what each step reads and writes beyond dp's, in
+      # parameter sizes (cdp-v2's per-worker select of the version reads two, writes one).
+      "extra_bytes_accessed_over_dp_in_params": {
+          key: (rows[key]["bytes_accessed"] - rows["engine dp"]["bytes_accessed"]) / param_bytes
+          for key in ("engine cdp-v1", "engine cdp-v2", "plain dp")},
       "extra_peak_over_stale_bytes": {
           rule: extra[rule] / max(1, rows[f"engine {rule}"]["stale_bytes"]) for rule in extra},
       "goals_met": {
@@ -212,6 +235,8 @@ def main(argv=None):
       print(f"  {name:<20}{v:.3f}  ({low:.3f}-{high:.3f} over {args.repeats} repeats)")
     for rule, v in r["extra_peak_over_stale_bytes"].items():
       print(f"  extra peak of {rule} over dp / its stale bytes: {v:.3f}")
+    for key, v in r["extra_bytes_accessed_over_dp_in_params"].items():
+      print(f"  bytes accessed by {key} beyond engine dp: {v:+.2f} parameter sizes")
   print(f"wrote {out}")
   return result
 

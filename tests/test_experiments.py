@@ -111,6 +111,10 @@ def test_bench_engine_quick(tmp_path):
   for rule in ("cdp-v1", "cdp-v2"):
     assert mlp["extra_peak_over_stale_bytes"][rule] == pytest.approx(1.0, abs=0.05)
   assert mlp["goals_met"]["no parameter copies"]
+  # cdp-v1 reads every stage stale: dp's traffic. cdp-v2's select of a version per worker
+  # reads two versions and writes one: three parameter sizes more.
+  traffic = mlp["extra_bytes_accessed_over_dp_in_params"]
+  assert abs(traffic["engine cdp-v1"]) < 0.05 and 2.9 < traffic["engine cdp-v2"] < 3.2
 
 
 def test_bench_overlap_quick(tmp_path):
