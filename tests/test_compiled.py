@@ -43,7 +43,9 @@ def test_one_collective(mesh, x, body, out_specs, kind, nbytes, groups, pairs):
       kind, nbytes, groups, pairs)
   assert not found.is_async
   summary = compiled.collective_summary(hlo_text)
-  assert summary == {k: {"count": int(k == kind), "bytes": nbytes * (k == kind)}
+  assert summary == {k: {"count": int(k == kind), "bytes": nbytes * (k == kind),
+                         "count_min": int(k == kind), "count_max": int(k == kind),
+                         "bytes_min": nbytes * (k == kind), "bytes_max": nbytes * (k == kind)}
                      for k in compiled.KINDS}
   assert compiled.stablehlo_collectives(lowered.as_text()) == {
       k: int(k == kind) for k in compiled.KINDS}
@@ -124,3 +126,75 @@ def test_collective_schedule_counts_compute_after_each_collective(mesh, x):
 def test_collective_schedule_needs_an_entry():
   with pytest.raises(ValueError, match="ENTRY"):
     compiled.collective_schedule("HloModule m\n")
+
+
+def test_per_step_weights_a_scan_and_bounds_a_cond(mesh, x):
+  """A psum in a 5-trip scan runs 5 times; a ppermute in a cond's branch 0 to 5 times."""
+  def body(a):
+    def step(c, i):
+      c = jax.lax.cond(i % 2 == 0, lambda c: jax.lax.ppermute(c, "data", RING), lambda c: 2 * c, c)
+      return c + jax.lax.psum(c, "data"), None
+    return jax.lax.scan(step, a, jnp.arange(5))[0]
+
+  hlo_text = _lower(mesh, x, body).compile().as_text()
+  assert '"known_trip_count":{"n":"5"}' in hlo_text  # The CPU compiler's annotation, read first.
+  summary = compiled.collective_summary(hlo_text)
+  assert summary["all-reduce"] == {"count": 1, "bytes": SHARD_BYTES, "count_min": 5,
+                                   "count_max": 5, "bytes_min": 5 * SHARD_BYTES,
+                                   "bytes_max": 5 * SHARD_BYTES}
+  permute = summary["collective-permute"]
+  assert (permute["count"], permute["bytes_min"], permute["bytes_max"]) == (1, 0, 5 * SHARD_BYTES)
+  per_step = compiled.collectives_per_step(hlo_text, steps_per_call=5)
+  assert per_step["all-reduce"]["bytes_min"] == SHARD_BYTES
+  with pytest.raises(ValueError, match="steps_per_call"):
+    compiled.collectives_per_step(hlo_text, steps_per_call=0)
+
+
+# The TPU compiler's form (no known_trip_count): the trip count is read off the condition,
+# counter < 6 from a counter copied from constant 2; the branches hold 16 and 64 bytes.
+TPU_LOOP_HLO = """
+%cond (p.0: (s32[], f32[4])) -> pred[] {
+  %c6 = s32[]{:T(128)} constant(6)
+  %p.0 = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p.0), index=0
+  ROOT %lt = pred[] compare(%i, %c6), direction=LT
+}
+
+%small (p.1: f32[4]) -> f32[4] {
+  %p.1 = f32[4]{0} parameter(0)
+  ROOT %ar = f32[4]{0} all-reduce(%p.1), replica_groups={{0,1}}, to_apply=%add
+}
+
+%large (p.2: f32[4]) -> f32[16] {
+  %p.2 = f32[4]{0} parameter(0)
+  ROOT %ag = f32[16]{0} all-gather(%p.2), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%body (p.3: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p.3 = (s32[], f32[4]) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%p.3), index=1
+  %k = s32[] get-tuple-element(%p.3), index=0
+  %b = f32[4]{0} conditional(%k, %x, %x), branch_computations={%small, %large}
+  %cp = f32[4]{0} collective-permute(%b), source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (s32[], f32[4]) tuple(%k, %cp)
+}
+
+ENTRY %main (a: f32[4]) -> (s32[], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %c2 = s32[] constant(2)
+  %start = s32[]{:T(128)} copy(%c2)
+  %init = (s32[], f32[4]) tuple(%start, /*index=1*/%a)
+  ROOT %w = (s32[], f32[4]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_per_step_reads_a_tpu_loop_without_known_trip_count():
+  per_step = compiled.collectives_per_step(TPU_LOOP_HLO)
+  assert per_step["collective-permute"]["bytes_min"] == per_step["collective-permute"][
+      "bytes_max"] == 4 * 16
+  assert (per_step["all-reduce"]["bytes_min"], per_step["all-reduce"]["bytes_max"]) == (0, 4 * 16)
+  assert (per_step["all-gather"]["bytes_min"], per_step["all-gather"]["bytes_max"]) == (0, 4 * 64)
+  with pytest.warns(UserWarning, match="trip count"):
+    once = compiled.collectives_per_step(TPU_LOOP_HLO.replace("constant(2)", "parameter(1)"))
+  assert once["collective-permute"]["count_max"] == 1

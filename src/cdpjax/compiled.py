@@ -1,13 +1,17 @@
 """Figures read from compiled XLA programs: collectives, memory and FLOPs.
 
-Counts are static: a collective inside a loop body (``lax.scan``) counts once,
-whatever the trip count. All figures are per device. Collectives are parsed from
-the HLO text by hand because jax exposes no public per-instruction API.
+`collectives` and the ``count`` and ``bytes`` of `collective_summary` are
+static: a collective inside a loop body (``lax.scan``) or a conditional branch
+counts once. `collectives_per_step` weights each one by the trip counts of the
+loops around it, and bounds what conditionals run (cheapest and costliest
+branch). All figures are per device. Collectives are parsed from the HLO text by
+hand because jax exposes no public per-instruction API.
 """
 from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -151,19 +155,8 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%
 _COMPUTE = re.compile(r"\b(convolution|dot)\(|custom_call_target=\"[^\"]*(?:[Mm]atmul|[Cc]onv|[Gg]emm)")
 
 
-def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
-  """Where the collectives sit in the schedule of a compiled module's entry computation.
-
-  Compiled HLO lists each computation's instructions in the order its schedule
-  runs them, so a collective with compute instructions after it can overlap
-  them (when the backend runs it asynchronously), and one placed after every
-  compute instruction cannot. Loop bodies count as one compute instruction of
-  the entry computation.
-
-  Returns:
-    The entry computation's collectives in schedule order, and its number of
-    compute instructions.
-  """
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+  """``({computation name: its instruction lines}, entry name)`` of compiled HLO text."""
   bodies: dict[str, list[str]] = {}
   entry, current = None, None
   for line in hlo_text.splitlines():
@@ -179,6 +172,23 @@ def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
       bodies[current].append(line)
   if entry is None:
     raise ValueError("No ENTRY computation in the HLO text: pass compiled.as_text().")
+  return bodies, entry
+
+
+def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
+  """Where the collectives sit in the schedule of a compiled module's entry computation.
+
+  Compiled HLO lists each computation's instructions in the order its schedule
+  runs them, so a collective with compute instructions after it can overlap
+  them (when the backend runs it asynchronously), and one placed after every
+  compute instruction cannot. Loop bodies count as one compute instruction of
+  the entry computation.
+
+  Returns:
+    The entry computation's collectives in schedule order, and its number of
+    compute instructions.
+  """
+  bodies, entry = _computations(hlo_text)
   computes: dict[str, bool] = {}
 
   def has_compute(name: str, seen=()) -> bool:
@@ -207,13 +217,145 @@ def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
   return scheduled, sum(is_compute)
 
 
-def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
-  """``{kind: {"count": n, "bytes": b}}`` over `KINDS` (zeros included) of compiled HLO."""
+def collective_summary(hlo_text: str, steps_per_call: int = 1) -> dict[str, dict]:
+  """Per kind of `KINDS` (zeros included), the collectives of compiled HLO, static and per step.
+
+  ``count`` and ``bytes`` are static: each instruction once. ``count_min``,
+  ``count_max``, ``bytes_min`` and ``bytes_max`` are per step
+  (`collectives_per_step`): weighted by loop trip counts and divided by
+  ``steps_per_call``, with every conditional taking its cheapest (``_min``) or
+  its costliest (``_max``) branch.
+  """
   summary = {kind: {"count": 0, "bytes": 0} for kind in KINDS}
   for c in collectives(hlo_text):
     summary[c.kind]["count"] += 1
     summary[c.kind]["bytes"] += c.bytes
+  for kind, figures in collectives_per_step(hlo_text, steps_per_call).items():
+    summary[kind].update(figures)
   return summary
+
+
+_WHILE = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+                       r"false_computation=%?([\w.\-]+)")
+_CALLEES = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+_PASS_THROUGH = ("copy", "bitcast", "convert", "reshape")
+
+
+def _definitions(lines) -> dict[str, tuple[str, str, str]]:
+  """``{name: (shape, opcode, text after the opcode's parenthesis)}`` of a computation."""
+  out = {}
+  for line in lines:
+    match = _INSTRUCTION.match(line)
+    if match:
+      shape, tail = _split_shape(match.group("rest"))
+      opcode, _, after = tail.partition("(")
+      out[match.group("name")] = (shape, opcode.strip(), re.sub(r"/\*.*?\*/", "", after))
+  return out
+
+
+def _operands(after: str) -> list[str]:
+  return _OPERAND.findall(after.partition(")")[0])
+
+
+def _scalar_constant(name: str, defs) -> int | None:
+  """The integer a scalar resolves to, through copies and conversions; None if not a constant."""
+  while name in defs:
+    _, opcode, after = defs[name]
+    if opcode == "constant":
+      match = re.match(r"\s*(-?\d+)\)", after)
+      return int(match.group(1)) if match else None
+    if opcode not in _PASS_THROUGH:
+      return None
+    name = _operands(after)[0]
+  return None
+
+
+def _trip_count(line: str, caller, condition) -> int | None:
+  """A while loop's trip count: XLA's ``known_trip_count``, else read off its condition.
+
+  The TPU compiler's HLO carries no ``known_trip_count``; a ``lax.scan`` or
+  ``fori_loop`` loop's condition is ``counter < C`` with the counter's initial
+  value a constant ``c0`` in the loop's operand tuple and a step of 1 (how JAX
+  lowers them): ``C - c0`` trips. None where the loop has another form.
+  """
+  known = _TRIP.search(line)
+  if known:
+    return int(known.group(1))
+  roots = [_INSTRUCTION.match(l).group("name") for l in condition.get("__lines__", ())
+           if l.strip().startswith("ROOT")]
+  if not roots or condition[roots[0]][1] != "compare":
+    return None
+  _, _, after = condition[roots[0]]
+  lhs, rhs = _operands(after)[:2]
+  direction = re.search(r"direction=(\w+)", after)
+  if direction and direction.group(1) == "GT":
+    lhs, rhs = rhs, lhs
+  elif not direction or direction.group(1) != "LT":
+    return None
+  bound, counter = _scalar_constant(rhs, condition), condition.get(lhs)
+  if bound is None or counter is None or counter[1] != "get-tuple-element":
+    return None
+  index = int(re.search(r"index=(\d+)", counter[2]).group(1))
+  operand = caller.get(_operands(line.split(" while(", 1)[1])[0])
+  if operand is None or operand[1] != "tuple":
+    return None
+  start = _scalar_constant(_operands(operand[2])[index], caller)
+  return None if start is None else max(bound - start, 0)
+
+
+def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, dict[str, float]]:
+  """``{kind: {"count_min", "count_max", "bytes_min", "bytes_max"}}`` per step, per device.
+
+  Each collective counts as often as the loops around it run (their trip
+  counts, `_trip_count`), divided by ``steps_per_call`` (the steps one call
+  runs, e.g. ``scan_steps``). Which branch of a conditional runs is decided at
+  run time, so the ``_min`` figures take each conditional's cheapest branch
+  (per kind) and the ``_max`` figures its costliest: a collective inside a
+  branch is bounded, not counted. A loop whose trip count cannot be read counts
+  once, with a warning. Without loops and conditionals, min = max = the static
+  `collective_summary`.
+  """
+  if int(steps_per_call) != steps_per_call or steps_per_call < 1:
+    raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}.")
+  bodies, entry = _computations(hlo_text)
+  column = {kind: i for i, kind in enumerate(KINDS)}
+  memo: dict[str, np.ndarray] = {}
+
+  def ranges(name: str) -> np.ndarray:
+    """``[min|max, count|bytes, kind]`` of one run of computation ``name``."""
+    if name in memo:
+      return memo[name]
+    memo[name] = out = np.zeros((2, 2, len(KINDS)))  # Cuts cycles; computations form a DAG.
+    lines = bodies.get(name, [])
+    for c in collectives("\n".join(lines)):
+      out[:, :, column[c.kind]] += (1, c.bytes)
+    defs = _definitions(lines)
+    for line in lines:
+      loop, branches = _WHILE.search(line), _BRANCHES.search(line)
+      if loop and " while(" in line:
+        condition = _definitions(bodies.get(loop.group(1), []))
+        condition["__lines__"] = bodies.get(loop.group(1), [])
+        trips = _trip_count(line, defs, condition)
+        if trips is None:
+          warnings.warn(f"Loop {loop.group(2)} has no readable trip count; counted once.")
+          trips = 1
+        out += trips * ranges(loop.group(2))
+      elif branches:
+        names = (branches.group(1) or f"{branches.group(2)},{branches.group(3)}").split(",")
+        each = np.stack([ranges(b.strip().lstrip("%")) for b in names])
+        out[0] += each[:, 0].min(axis=0)
+        out[1] += each[:, 1].max(axis=0)
+      else:
+        for callee in _CALLEES.findall(line):
+          out += ranges(callee)
+    return out
+
+  total = ranges(entry) / steps_per_call
+  return {kind: {"count_min": float(total[0, 0, i]), "count_max": float(total[1, 0, i]),
+                 "bytes_min": float(total[0, 1, i]), "bytes_max": float(total[1, 1, i])}
+          for kind, i in column.items()}
 
 
 def stablehlo_collectives(lowered_text: str) -> dict[str, int]:
