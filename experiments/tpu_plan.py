@@ -85,13 +85,37 @@ def residual_bytes(model, variables, batch_rows) -> float:
   return max(0.0, sum(x.size * x.dtype.itemsize for x in leaves) - param_bytes)
 
 
+def stage_residual_bytes(staged, x_spec, labels_spec) -> float:
+  """Bytes ``jax.vjp`` keeps from the largest stage's forward for one micro-batch, its buffer excluded.
+
+  The executed timetables recompute a stage's forward in its backward: these
+  residuals are alive while that backward runs. Every device switches over
+  the stages (a traced stage index), so it holds the largest stage's.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  flat = lambda size: jax.ShapeDtypeStruct((size,), jnp.float32)
+  act, buffer_bytes = staged.act_size(x_spec), 4 * staged.param_size
+  state = flat(staged.state_size)
+
+  def backward_of(j):
+    def run(p, h, state, x, labels):
+      return jax.vjp(lambda p, h: staged.apply(j, p, state, h, x, labels)[:2], p, h)[1]
+    leaves = jax.tree.leaves(jax.eval_shape(run, flat(staged.param_size), flat(act), state,
+                                            x_spec, labels_spec))
+    return sum(x.size * x.dtype.itemsize for x in leaves)
+  return max(0.0, max(backward_of(j) for j in range(staged.num_stages)) - buffer_bytes)
+
+
 def workload(c, executed: bool):
   """The cost model's ``Workload`` of config ``c``, as the compiled program lays it out.
 
   The executed timetables keep every stage in a flat float32 buffer padded to
   the largest stage, recompute a stage's forward in its backward (so a stage
-  keeps its input, padded to the largest boundary) and send padded
-  boundaries; the engine keeps the unpadded stages and ``jax.vjp``'s residuals.
+  keeps its input, padded to the largest boundary, and the recomputation's
+  residuals live while its backward runs, `stage_residual_bytes`) and send
+  padded boundaries; the engine keeps the unpadded stages and ``jax.vjp``'s
+  residuals.
   """
   import jax  # pylint: disable=g-import-not-at-top
   from cdpjax import aot, analysis, train  # pylint: disable=g-import-not-at-top
@@ -109,8 +133,9 @@ def workload(c, executed: bool):
   J = staged.num_stages
   if executed:
     act = 4.0 * staged.act_size(x_spec)
+    recompute = stage_residual_bytes(staged, x_spec, rows["label"])
     return analysis.workload([4.0 * staged.param_size] * J, [act] * J, J, optimizer_factor=k,
-                             boundary_bytes=act)
+                             boundary_bytes=act, recompute_bytes=[recompute] * J)
   boundaries = [4.0 * sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
                 for spec in staged.boundary_specs(x_spec)[:-1]]
   return analysis.workload([4.0 * s for s in staged.stage_param_sizes()],
@@ -121,15 +146,19 @@ def workload(c, executed: bool):
 def predicted(strategy: str, c, w=None) -> dict:
   """The cost model's busiest chip: peak bytes and collective result bytes per step.
 
-  ``w``: the workload of ``c`` (`workload`), when already computed.
+  ``w``: the workload of ``c`` (`workload`), when already computed. The
+  executed timetables' ``num_replicas`` copies all-reduce their gradients over
+  the ``replica`` axis (`analysis.cost`'s ``replicas``).
   """
   from cdpjax import analysis  # pylint: disable=g-import-not-at-top
-  w = w or workload(c, executed=STRATEGIES[strategy][1] != "data")
-  cost = analysis.cost(strategy, c.num_workers, w)
+  executed = STRATEGIES[strategy][1] != "data"
+  w = w or workload(c, executed=executed)
+  cost = analysis.cost(strategy, c.num_workers, w, replicas=c.num_replicas if executed else 1)
   m = cost.per_device
   return {"peak_bytes": m.peak, "params_bytes": m.params, "grads_bytes": m.grads,
           "optimizer_bytes": m.optimizer, "buffers_bytes": m.buffers,
           "activations_bytes": m.activations_peak,
+          "recompute_bytes": max(w.stage_recompute_bytes, default=0.0),
           "collective_bytes": sum(x.payload_bytes for x in cost.communication),
           "workload": {"param_bytes": w.param_bytes, "activation_bytes": w.activation_bytes,
                        "optimizer_factor": w.optimizer_factor}}
@@ -150,11 +179,24 @@ def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> di
 
 
 def row(name, strategy, topology, compiled, prediction) -> dict:
-  gib = 1 << 30
+  """One table row: compiled against predicted.
+
+  Collective bytes are per step (``cdpjax.compiled.collectives_per_step``; the
+  compile runs one step per call): ``_min`` takes every conditional's cheapest
+  branch, ``_max`` its costliest, so the executed timetables' collectives in
+  ``lax.switch`` / ``lax.cond`` branches are bounded. A point compiled before
+  those figures existed has only the static bytes (each instruction once):
+  ``per_step`` is then False and both bounds are the static figure.
+  """
+  gib, mib = 1 << 30, 1 << 20
   m = compiled["memory_per_chip"]
-  comm = sum(x["bytes"] for x in compiled["collectives"].values())
+  found = compiled["collectives"].values()
+  per_step = all("bytes_min" in x for x in found)
+  comm = {bound: sum(x[f"bytes_{bound}" if per_step else "bytes"] for x in found)
+          for bound in ("min", "max")}
   kinds = ", ".join(f"{k} x{v['count']}" for k, v in compiled["collectives"].items()
                     if v["count"])
+  model = prediction["collective_bytes"]
   return {
       "model": name, "topology": topology, "strategy": strategy,
       "chips_used": compiled["devices_used"], "params_M": round(compiled["num_params"] / 1e6, 1),
@@ -162,10 +204,12 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
       "peak_ratio": m["peak_bytes"] / prediction["peak_bytes"],
       "argument_GiB": m["argument_bytes"] / gib, "temp_GiB": m["temp_bytes"] / gib,
       "fits": compiled["fits"],
-      "collective_MiB": comm / (1 << 20), "model_collective_MiB":
-          prediction["collective_bytes"] / (1 << 20),
-      "collective_ratio": comm / prediction["collective_bytes"] if prediction["collective_bytes"]
-                          else float("nan"),
+      "model_recompute_GiB": prediction["recompute_bytes"] / gib,
+      "static_collective_MiB": sum(x["bytes"] for x in found) / mib, "per_step": per_step,
+      "collective_MiB_min": comm["min"] / mib, "collective_MiB_max": comm["max"] / mib,
+      "model_collective_MiB": model / mib,
+      "collective_ratio_min": comm["min"] / model if model else float("nan"),
+      "collective_ratio_max": comm["max"] / model if model else float("nan"),
       "collectives": kinds or "none",
   }
 
@@ -193,7 +237,8 @@ def largest_layers(line, hbm: float, num_stages: int) -> int:
 
 def print_table(rows):
   columns = ("model", "topology", "strategy", "chips_used", "peak_GiB", "model_peak_GiB",
-             "peak_ratio", "collective_MiB", "model_collective_MiB", "collective_ratio")
+             "peak_ratio", "collective_MiB_min", "collective_MiB_max", "model_collective_MiB",
+             "collective_ratio_min", "collective_ratio_max")
   print(" | ".join(columns))
   for r in rows:
     print(" | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in columns))
