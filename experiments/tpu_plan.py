@@ -143,6 +143,18 @@ def workload(c, executed: bool):
                            boundary_bytes=boundaries)
 
 
+def tpu_result_bytes(comm) -> float:
+  """Result bytes per step of one ``analysis.Communication``, as the TPU compiler emits it.
+
+  The TPU compiler lowers the reduce-scatter of a flat (1-D) buffer, ZeRO-3's
+  stage gradients, to an all-reduce of the whole buffer (each worker then
+  slices its shard), so its result is the whole buffer: ``group`` shards.
+  Checked on v5e:2x4 with ``lax.psum_scatter(tiled=True)`` of an ``f32[n]``
+  (BENCHMARKS.md, pod plan section).
+  """
+  return comm.payload_bytes * (comm.group if comm.kind == "reduce-scatter" else 1)
+
+
 def predicted(strategy: str, c, w=None) -> dict:
   """The cost model's busiest chip: peak bytes and collective result bytes per step.
 
@@ -159,7 +171,7 @@ def predicted(strategy: str, c, w=None) -> dict:
           "optimizer_bytes": m.optimizer, "buffers_bytes": m.buffers,
           "activations_bytes": m.activations_peak,
           "recompute_bytes": max(w.stage_recompute_bytes, default=0.0),
-          "collective_bytes": sum(x.payload_bytes for x in cost.communication),
+          "collective_bytes": sum(map(tpu_result_bytes, cost.communication)),
           "workload": {"param_bytes": w.param_bytes, "activation_bytes": w.activation_bytes,
                        "optimizer_factor": w.optimizer_factor}}
 
