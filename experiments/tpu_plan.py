@@ -143,16 +143,52 @@ def workload(c, executed: bool):
                            boundary_bytes=boundaries)
 
 
-def tpu_result_bytes(comm) -> float:
-  """Result bytes per step of one ``analysis.Communication``, as the TPU compiler emits it.
+def executed_permutes(strategy: str, c) -> int:
+  """``collective-permute``s one chip executes in a one-step call of an executed timetable.
 
-  The TPU compiler lowers the reduce-scatter of a flat (1-D) buffer, ZeRO-3's
-  stage gradients, to an all-reduce of the whole buffer (each worker then
-  slices its shard), so its result is the whole buffer: ``group`` shards.
-  Checked on v5e:2x4 with ``lax.psum_scatter(tiled=True)`` of an ``f32[n]``
-  (BENCHMARKS.md, pod plan section).
+  Every chip runs the same slot body (one SPMD program), so a permute whose
+  pair list is not empty at a slot executes on every chip, idle ones included,
+  whether or not the chip is among its targets. Which list a slot uses is
+  static (`cdpjax.executed.plan`): GPipe shifts every slot (``2(N+J-1)``),
+  the cyclic pipeline swaps neighbours on even and odd slots, the CDP-ZeRO
+  ring sends along the plan's routes (model-state messages left out).
   """
-  return comm.payload_bytes * (comm.group if comm.kind == "reduce-scatter" else 1)
+  from cdpjax import schedule  # pylint: disable=g-import-not-at-top
+  from cdpjax.executed import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  J, N = c.num_stages, c.num_workers
+  if strategy == "gpipe":
+    return 2 * (N + J - 1) if J > 1 else 0
+  if strategy == "cdp+mp":
+    return sum(bool(plan_lib.swap_pairs(J, slot % 2)) for slot in range(plan_lib.cyclic_slots(J, 1)))
+  if strategy == "cdp+zero":
+    ring = plan_lib.zero_plan(schedule.resolve(STRATEGIES[strategy][0], N, J))
+    routes = [ring.routes(*r) for r in (("param", "ring"), ("param", "owner"), ("grad", "ring"),
+                                        ("grad", "final"))]
+    return sum(bool(lists[i]) for index, lists in routes for i in index)
+  raise ValueError(f"{strategy} is not an executed timetable with permutes.")
+
+
+def tpu_result_bytes(strategy: str, c, w, comm) -> float:
+  """Result bytes per step of one ``analysis.Communication``, as the compiled TPU program has them.
+
+  Two ways in which the compiled program moves other bytes than the
+  algorithm's messages, which the cost model counts:
+
+  - The TPU compiler lowers the reduce-scatter of a flat (1-D) buffer, ZeRO-3's
+    stage gradients, to an all-reduce of the whole buffer (each worker then
+    slices its shard), so its result is ``group`` shards. Checked on v5e:2x4
+    with ``lax.psum_scatter(tiled=True)`` of an ``f32[n]`` (BENCHMARKS.md,
+    pod plan section).
+  - The executed timetables' permutes run at every slot whose pair list is not
+    empty, on every chip (`executed_permutes`), each of one padded boundary
+    (pipelines) or one padded stage buffer (CDP-ZeRO).
+  """
+  if comm.kind == "reduce-scatter":
+    return comm.payload_bytes * comm.group
+  if comm.kind == "p2p":
+    message = max(w.boundary_bytes) if comm.what == "activations" else max(w.stage_param_bytes)
+    return executed_permutes(strategy, c) * message
+  return comm.payload_bytes
 
 
 def predicted(strategy: str, c, w=None) -> dict:
@@ -171,7 +207,8 @@ def predicted(strategy: str, c, w=None) -> dict:
           "optimizer_bytes": m.optimizer, "buffers_bytes": m.buffers,
           "activations_bytes": m.activations_peak,
           "recompute_bytes": max(w.stage_recompute_bytes, default=0.0),
-          "collective_bytes": sum(map(tpu_result_bytes, cost.communication)),
+          "collective_bytes": sum(tpu_result_bytes(strategy, c, w, x) for x in cost.communication),
+          "algorithm_collective_bytes": sum(x.payload_bytes for x in cost.communication),
           "workload": {"param_bytes": w.param_bytes, "activation_bytes": w.activation_bytes,
                        "optimizer_factor": w.optimizer_factor}}
 
@@ -220,6 +257,7 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
       "static_collective_MiB": sum(x["bytes"] for x in found) / mib, "per_step": per_step,
       "collective_MiB_min": comm["min"] / mib, "collective_MiB_max": comm["max"] / mib,
       "model_collective_MiB": model / mib,
+      "algorithm_collective_MiB": prediction["algorithm_collective_bytes"] / mib,
       "collective_ratio_min": comm["min"] / model if model else float("nan"),
       "collective_ratio_max": comm["max"] / model if model else float("nan"),
       "collectives": kinds or "none",
