@@ -18,7 +18,10 @@ with ``R = chips / J`` replicas of one pipeline or ring (the launcher's
 pod run would.
 
 Each compiled point is cached as JSON in ``--results_dir/points`` and is not
-compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead.
+compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead. A
+last check compiles one ``lax.psum_scatter`` per operand shape for v5e:2x4
+(`reduce_scatter_lowering`): the TPU compiler turns that of a flat buffer
+into an all-reduce, which the predictions follow (`tpu_result_bytes`).
 
   python experiments/tpu_plan.py                  # minutes to hours on 2 cores
   python experiments/tpu_plan.py --quick --results_dir /tmp/tpu_plan
@@ -168,6 +171,37 @@ def executed_permutes(strategy: str, c) -> int:
   raise ValueError(f"{strategy} is not an executed timetable with permutes.")
 
 
+REDUCE_SCATTER_SHAPES = ((8192,), (140672,), (64, 128), (128, 128))
+"""Per-chip operands of the reduce-scatter lowering check: flat buffers and 2-D tiles."""
+
+
+def reduce_scatter_lowering(topology: str = "v5e:2x4") -> list[dict]:
+  """The collectives the TPU compiler makes of one ``lax.psum_scatter`` over all chips.
+
+  One row per operand shape of `REDUCE_SCATTER_SHAPES` (``tiled=True``,
+  scattered over dimension 0): the compiled collectives' kinds and result
+  bytes per chip.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(aot.topology_devices(topology), ("data",))
+  scatter = lambda a: jax.lax.psum_scatter(a[0], "data", scatter_dimension=0, tiled=True)[None]
+  step = jax.jit(jax.shard_map(scatter, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+  rows = []
+  for shape in REDUCE_SCATTER_SHAPES:
+    x = jax.ShapeDtypeStruct((mesh.size, *shape), jnp.float32,
+                             sharding=NamedSharding(mesh, P("data")))
+    collectives = aot.report(step.lower(x), topology)["collectives"]
+    found = {k: v for k, v in collectives.items() if v["count"]}
+    rows.append({"topology": topology, "operand": f"f32{list(shape)}", "chips": mesh.size,
+                 "operand_bytes": 4 * math.prod(shape),
+                 "compiled": ", ".join(f"{k} x{v['count']} ({v['bytes']} B)"
+                                       for k, v in found.items())})
+  return rows
+
+
 def tpu_result_bytes(strategy: str, c, w, comm) -> float:
   """Result bytes per step of one ``analysis.Communication``, as the compiled TPU program has them.
 
@@ -300,7 +334,8 @@ def main(argv=None):
   p.add_argument("--models", nargs="+", help="Models of the plan to compile (default: all): "
                  + ", ".join(entry[0] for plan in PLANS.values() for entry in plan))
   p.add_argument("--cached_only", action="store_true",
-                 help="Tabulate the points compiled before (in --results_dir); compile none.")
+                 help="Tabulate the points compiled before (in --results_dir); compile no "
+                 "model (the reduce-scatter check's four small programs still compile).")
   args = p.parse_args(argv)
   out = _common.results_dir(args)
   plan = "quick" if args.quick else "full"
@@ -338,10 +373,14 @@ def main(argv=None):
       rows.append(row(name, strategy, topology, compiled,
                       predicted(strategy, c, workloads[name, executed])))
       print(f"{name} {strategy} {topology}: compiled", flush=True)
+  lowering = reduce_scatter_lowering()
   result = {"rows": rows, "largest_transformer": largest, "not_compiled": missing,
-            "hbm_source": aot.HBM_SOURCE}
+            "reduce_scatter_lowering": lowering, "hbm_source": aot.HBM_SOURCE}
   _common.write_json(out / "tpu_plan.json", result)
   print_table(rows)
+  for r in lowering:
+    print(f"psum_scatter of {r['operand']} per chip over {r['chips']} chips ({r['topology']}): "
+          f"{r['compiled']}")
   if missing:
     print("not compiled (run without --cached_only):", "; ".join(missing))
   return result
