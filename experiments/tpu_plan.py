@@ -265,11 +265,12 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
   """One table row: compiled against predicted.
 
   Collective bytes are per step (``cdpjax.compiled.collectives_per_step``; the
-  compile runs one step per call): ``_min`` takes every conditional's cheapest
-  branch, ``_max`` its costliest, so the executed timetables' collectives in
-  ``lax.switch`` / ``lax.cond`` branches are bounded. A point compiled before
-  those figures existed has only the static bytes (each instruction once):
-  ``per_step`` is then False and both bounds are the static figure.
+  compile runs one step per call): a conditional in the slot scan counts the
+  branch its slot table selects; one whose branch depends on data would be
+  bounded (``_min``: its cheapest branch, ``_max``: its costliest). A point
+  compiled before those figures existed has only the static bytes (each
+  instruction once): ``per_step`` is then False and both figures are the
+  static one.
   """
   gib, mib = 1 << 30, 1 << 20
   m = compiled["memory_per_chip"]
