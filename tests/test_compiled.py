@@ -128,21 +128,19 @@ def test_collective_schedule_needs_an_entry():
     compiled.collective_schedule("HloModule m\n")
 
 
-def test_per_step_weights_a_scan_and_follows_or_bounds_conds(mesh, x):
+def _scan_with_conds(a):
   """In a 5-trip scan: a psum runs 5 times; a ppermute under ``i % 2 == 0`` (i = 0..4) 3 times;
   one under a data-dependent predicate 0 to 5 times (bounded)."""
   back = tuple((d, s) for s, d in RING)
 
-  def body(a):
-    def step(c, i):
-      c = jax.lax.cond(i % 2 == 0, lambda c: jax.lax.ppermute(c, "data", RING), lambda c: 2 * c, c)
-      c = jax.lax.cond(c[0, 0] > 1, lambda c: jax.lax.ppermute(c, "data", back), lambda c: 3 * c,
-                       c)
-      return c + jax.lax.psum(c, "data"), None
-    return jax.lax.scan(step, a, jnp.arange(5))[0]
+  def step(c, i):
+    c = jax.lax.cond(i % 2 == 0, lambda c: jax.lax.ppermute(c, "data", RING), lambda c: 2 * c, c)
+    c = jax.lax.cond(c[0, 0] > 1, lambda c: jax.lax.ppermute(c, "data", back), lambda c: 3 * c, c)
+    return c + jax.lax.psum(c, "data"), None
+  return jax.lax.scan(step, a, jnp.arange(5))[0]
 
-  hlo = compiled.hlo_text(_lower(mesh, x, body).compile())
-  assert '"known_trip_count":{"n":"5"}' in hlo  # The CPU compiler's annotation, read first.
+
+def _check_scan_with_conds(hlo):
   summary = compiled.collective_summary(hlo)
   assert summary["all-reduce"] == {"count": 1, "bytes": SHARD_BYTES, "count_min": 5,
                                    "count_max": 5, "bytes_min": 5 * SHARD_BYTES,
@@ -150,6 +148,23 @@ def test_per_step_weights_a_scan_and_follows_or_bounds_conds(mesh, x):
   permute = summary["collective-permute"]
   assert permute["count"] == 2
   assert (permute["count_min"], permute["count_max"]) == (3, 3 + 5)
+
+
+def test_per_step_on_the_tpu_compiler():
+  """The same program compiled for v5e:2x4: no known_trip_count, the same figures."""
+  pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu: pip install -e '.[test]'")
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  tpu_mesh = jax.sharding.Mesh(aot.topology_devices("v5e:2x4"), ("data",))
+  x = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(tpu_mesh, P("data")))
+  hlo = compiled.hlo_text(_lower(tpu_mesh, x, _scan_with_conds).compile())
+  assert "known_trip_count" not in hlo
+  _check_scan_with_conds(hlo)
+
+
+def test_per_step_weights_a_scan_and_follows_or_bounds_conds(mesh, x):
+  hlo = compiled.hlo_text(_lower(mesh, x, _scan_with_conds).compile())
+  assert '"known_trip_count":{"n":"5"}' in hlo  # The CPU compiler's annotation, read first.
+  _check_scan_with_conds(hlo)
   per_step = compiled.collectives_per_step(hlo, steps_per_call=5)
   assert per_step["all-reduce"]["bytes_min"] == SHARD_BYTES
   with pytest.raises(ValueError, match="steps_per_call"):
