@@ -241,3 +241,16 @@ def test_per_step_follows_a_device_dependent_branch():
   assert per_step["all-reduce"]["bytes_min"] == 0  # Devices 2 and 3.
   assert per_step["all-reduce"]["bytes_max"] == 4 * 16 + 4 * 16  # Devices 0 and 1, + bounded.
   assert per_step["all-gather"]["bytes_max"] == 4 * 64 + 4 * 64
+
+
+def test_per_step_follows_a_predicate_conditional():
+  """``true_computation`` runs when the predicate holds: counter % 2 == 0 picks the all-reduce."""
+  hlo = TPU_LOOP_HLO.replace(
+      "%parity = s32[] remainder(%k, %two)",
+      "%r = s32[] remainder(%k, %two)\n  %z = s32[] constant(0)\n"
+      "  %parity = pred[] compare(%r, %z), direction=EQ").replace(
+          "branch_computations={%small, %large}\n  %data",
+          "true_computation=%small, false_computation=%large\n  %data")
+  per_step = compiled.collectives_per_step(hlo)
+  assert (per_step["all-reduce"]["bytes_min"], per_step["all-gather"]["bytes_min"]) == (
+      2 * 16, 2 * 64)

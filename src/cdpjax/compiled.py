@@ -536,7 +536,7 @@ def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, di
       return ranges(body)
     trips, counter, start = info
     body_defs = _definitions(bodies.get(body, []))
-    conditionals = [(_INSTRUCTION.match(l).group("name"), _branch_names(_BRANCHES.search(l)))
+    conditionals = [(_INSTRUCTION.match(l).group("name"), _BRANCHES.search(l))
                     for l in bodies.get(body, []) if _BRANCHES.search(l)]
     if not conditionals:
       return trips * ranges(body)
@@ -562,7 +562,8 @@ def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, di
       element = lambda k: np.array(start + i) if k == counter else invariant(k, device)
       scope = _Scope(body, _unknown, element, device, {})
       out = np.zeros((2, 2, len(KINDS)))
-      for name, branches in conditionals:
+      for name, match in conditionals:
+        branches = _branch_names(match)
         try:
           index = int(evaluator.value(_operands(body_defs[name][2])[0], scope))
         except _NeedsDevice:
@@ -570,6 +571,8 @@ def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, di
         except _Unknown:
           out += bounded(branches)
           continue
+        if match.group(2):  # A predicate: true runs the first (true_computation).
+          index = 1 - bool(index)
         out += ranges(branches[index if 0 <= index < len(branches) else -1])  # XLA: the last.
       return out
 
