@@ -44,6 +44,9 @@ class Workload(NamedTuple):
     stage_recompute_bytes: bytes alive only while stage ``j``'s backward runs,
       for one micro-batch: the residuals of its forward, recomputed there (the
       executed timetables), beyond ``A_j``; zeros when nothing is recomputed.
+      They add to the per-device activation peak (a pipeline device: its
+      stage's; a worker that runs every stage: the largest), not to the
+      activations kept between a forward and its backward (means, totals).
   """
   stage_param_bytes: tuple
   stage_activation_bytes: tuple
@@ -432,8 +435,9 @@ def _p2p(n_micro: int, w: Workload, net: Network, pipelines: int) -> Communicati
 
 def _recompute(w: Workload, j: int | None = None) -> float:
   """The transient residuals of a recomputed forward: stage ``j``'s, or the largest stage's."""
-  r = w.stage_recompute_bytes
-  return (r[j] if r else 0.0) if j is not None else max(r, default=0.0)
+  if j is None or not w.stage_recompute_bytes:
+    return max(w.stage_recompute_bytes, default=0.0)
+  return w.stage_recompute_bytes[j]
 
 
 def _stage_memory(w: Workload, j: int, versions: int, act_peak: float, act_mean: float) -> Memory:
