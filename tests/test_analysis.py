@@ -192,6 +192,11 @@ def test_cdp_mp_pipeline_memory_and_messages(params, stage_ids):
   assert {c.kind for c in found} == {"collective-permute"}  # Gradients stay on their device.
   (p2p,) = predicted.communication
   assert all(c.bytes / (p2p.payload_bytes / p2p.ops) == 1.0 for c in found)  # One boundary each.
+  # Per step (one step per call), the program permutes at every slot with neighbours to swap.
+  per_step = compiled.collectives_per_step(compiled.hlo_text(program))["collective-permute"]
+  slots = plan.cyclic_slots(J, 1)
+  swaps = sum(bool(plan.swap_pairs(J, s % 2)) for s in range(slots))
+  assert per_step["bytes_min"] == per_step["bytes_max"] == swaps * act_bytes
 
 
 @pytest.mark.parametrize("timetable", ["cyclic", "zero3"])
@@ -218,6 +223,13 @@ def test_zero_memory_and_traffic(params, stage_ids, timetable):
     moved = stage_bytes * len(plan.cyclic_transfers(ex.plan.delays))
     (ring,) = predicted.communication
     assert moved / ring.total_bytes == 1.0  # 3(N-1) stage messages per stage.
+    # Per step, a permute runs on every device at each slot where its route has a message.
+    ring_plan = plan.zero_plan(ex.plan.delays)
+    sends = sum(bool(lists[i]) for route in (("param", "ring"), ("param", "owner"),
+                                             ("grad", "ring"), ("grad", "final"))
+                for index, lists in [ring_plan.routes(*route)] for i in index)
+    per_step = compiled.collectives_per_step(compiled.hlo_text(program))["collective-permute"]
+    assert per_step["bytes_min"] == per_step["bytes_max"] == sends * stage_bytes
   else:
     summary = compiled.collective_summary(program.as_text())
     scatter, gather = predicted.communication

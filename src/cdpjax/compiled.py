@@ -337,7 +337,10 @@ class _Evaluator:
 
   def value(self, name: str, scope: _Scope) -> np.ndarray:
     if name not in scope.cache:
-      scope.cache[name] = self._value(name, scope)
+      try:
+        scope.cache[name] = self._value(name, scope)
+      except (KeyError, IndexError, AttributeError, ValueError, TypeError) as e:
+        raise _Unknown() from e  # An op or attribute spelled otherwise than expected.
     return scope.cache[name]
 
   def _value(self, name: str, scope: _Scope) -> np.ndarray:  # pylint: disable=too-many-return-statements
