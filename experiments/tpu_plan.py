@@ -162,7 +162,8 @@ def executed_permutes(strategy: str, c) -> int:
   if strategy == "gpipe":
     return 2 * (N + J - 1) if J > 1 else 0
   if strategy == "cdp+mp":
-    return sum(bool(plan_lib.swap_pairs(J, slot % 2)) for slot in range(plan_lib.cyclic_slots(J, 1)))
+    slots = plan_lib.cyclic_slots(J, 1)
+    return sum(bool(plan_lib.swap_pairs(J, slot % 2)) for slot in range(slots))
   if strategy == "cdp+zero":
     ring = plan_lib.zero_plan(schedule.resolve(STRATEGIES[strategy][0], N, J))
     routes = [ring.routes(*r) for r in (("param", "ring"), ("param", "owner"), ("grad", "ring"),
