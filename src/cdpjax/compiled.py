@@ -343,7 +343,7 @@ class _Evaluator:
         raise _Unknown() from e  # An op or attribute spelled otherwise than expected.
     return scope.cache[name]
 
-  def _value(self, name: str, scope: _Scope) -> np.ndarray:  # pylint: disable=too-many-return-statements
+  def _value(self, name: str, scope: _Scope) -> np.ndarray:
     defs = self.definitions(scope.computation)
     if name not in defs:
       raise _Unknown()
