@@ -89,7 +89,7 @@ def residual_bytes(model, variables, batch_rows) -> float:
 
 
 def stage_residual_bytes(staged, x_spec, labels_spec) -> float:
-  """Bytes ``jax.vjp`` keeps from the largest stage's forward (one micro-batch), its buffer excluded.
+  """Bytes ``jax.vjp`` keeps from the largest stage's forward (a micro-batch), its buffer aside.
 
   The executed timetables recompute a stage's forward in its backward: these
   residuals are alive while that backward runs. Every device switches over
