@@ -18,7 +18,10 @@ with ``R = chips / J`` replicas of one pipeline or ring (the launcher's
 pod run would.
 
 Each compiled point is cached as JSON in ``--results_dir/points`` and is not
-compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead.
+compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead. A
+last check compiles one ``lax.psum_scatter`` per operand shape for v5e:2x4
+(`reduce_scatter_lowering`): the TPU compiler turns that of a flat buffer
+into an all-reduce, which the predictions follow (`tpu_result_bytes`).
 
   python experiments/tpu_plan.py                  # minutes to hours on 2 cores
   python experiments/tpu_plan.py --quick --results_dir /tmp/tpu_plan
@@ -85,13 +88,37 @@ def residual_bytes(model, variables, batch_rows) -> float:
   return max(0.0, sum(x.size * x.dtype.itemsize for x in leaves) - param_bytes)
 
 
+def stage_residual_bytes(staged, x_spec, labels_spec) -> float:
+  """Bytes ``jax.vjp`` keeps from the largest stage's forward (a micro-batch), its buffer aside.
+
+  The executed timetables recompute a stage's forward in its backward: these
+  residuals are alive while that backward runs. Every device switches over
+  the stages (a traced stage index), so it holds the largest stage's.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  flat = lambda size: jax.ShapeDtypeStruct((size,), jnp.float32)
+  act, buffer_bytes = staged.act_size(x_spec), 4 * staged.param_size
+  state = flat(staged.state_size)
+
+  def backward_of(j):
+    def run(p, h, state, x, labels):
+      return jax.vjp(lambda p, h: staged.apply(j, p, state, h, x, labels)[:2], p, h)[1]
+    leaves = jax.tree.leaves(jax.eval_shape(run, flat(staged.param_size), flat(act), state,
+                                            x_spec, labels_spec))
+    return sum(x.size * x.dtype.itemsize for x in leaves)
+  return max(0.0, max(backward_of(j) for j in range(staged.num_stages)) - buffer_bytes)
+
+
 def workload(c, executed: bool):
   """The cost model's ``Workload`` of config ``c``, as the compiled program lays it out.
 
   The executed timetables keep every stage in a flat float32 buffer padded to
   the largest stage, recompute a stage's forward in its backward (so a stage
-  keeps its input, padded to the largest boundary) and send padded
-  boundaries; the engine keeps the unpadded stages and ``jax.vjp``'s residuals.
+  keeps its input, padded to the largest boundary, and the recomputation's
+  residuals live while its backward runs, `stage_residual_bytes`) and send
+  padded boundaries; the engine keeps the unpadded stages and ``jax.vjp``'s
+  residuals.
   """
   import jax  # pylint: disable=g-import-not-at-top
   from cdpjax import aot, analysis, train  # pylint: disable=g-import-not-at-top
@@ -109,8 +136,9 @@ def workload(c, executed: bool):
   J = staged.num_stages
   if executed:
     act = 4.0 * staged.act_size(x_spec)
+    recompute = stage_residual_bytes(staged, x_spec, rows["label"])
     return analysis.workload([4.0 * staged.param_size] * J, [act] * J, J, optimizer_factor=k,
-                             boundary_bytes=act)
+                             boundary_bytes=act, recompute_bytes=[recompute] * J)
   boundaries = [4.0 * sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
                 for spec in staged.boundary_specs(x_spec)[:-1]]
   return analysis.workload([4.0 * s for s in staged.stage_param_sizes()],
@@ -118,19 +146,104 @@ def workload(c, executed: bool):
                            boundary_bytes=boundaries)
 
 
+def executed_permutes(strategy: str, c) -> int:
+  """``collective-permute``s one chip executes in a one-step call of an executed timetable.
+
+  Every chip runs the same slot body (one SPMD program), so a permute whose
+  pair list is not empty at a slot executes on every chip, idle ones included,
+  whether or not the chip is among its targets. Which list a slot uses is
+  static (`cdpjax.executed.plan`): GPipe shifts every slot (``2(N+J-1)``),
+  the cyclic pipeline swaps neighbours on even and odd slots, the CDP-ZeRO
+  ring sends along the plan's routes (model-state messages left out).
+  """
+  from cdpjax import schedule  # pylint: disable=g-import-not-at-top
+  from cdpjax.executed import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  J, N = c.num_stages, c.num_workers
+  if strategy == "gpipe":
+    return 2 * (N + J - 1) if J > 1 else 0
+  if strategy == "cdp+mp":
+    slots = plan_lib.cyclic_slots(J, 1)
+    return sum(bool(plan_lib.swap_pairs(J, slot % 2)) for slot in range(slots))
+  if strategy == "cdp+zero":
+    ring = plan_lib.zero_plan(schedule.resolve(STRATEGIES[strategy][0], N, J))
+    routes = [ring.routes(*r) for r in (("param", "ring"), ("param", "owner"), ("grad", "ring"),
+                                        ("grad", "final"))]
+    return sum(bool(lists[i]) for index, lists in routes for i in index)
+  raise ValueError(f"{strategy} is not an executed timetable with permutes.")
+
+
+REDUCE_SCATTER_SHAPES = ((8192,), (140672,), (64, 128), (128, 128))
+"""Per-chip operands of the reduce-scatter lowering check: flat buffers and 2-D tiles."""
+
+
+def reduce_scatter_lowering(topology: str = "v5e:2x4") -> list[dict]:
+  """The collectives the TPU compiler makes of one ``lax.psum_scatter`` over all chips.
+
+  One row per operand shape of `REDUCE_SCATTER_SHAPES` (``tiled=True``,
+  scattered over dimension 0): the compiled collectives' kinds and result
+  bytes per chip.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(aot.topology_devices(topology), ("data",))
+  scatter = lambda a: jax.lax.psum_scatter(a[0], "data", scatter_dimension=0, tiled=True)[None]
+  step = jax.jit(jax.shard_map(scatter, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+  rows = []
+  for shape in REDUCE_SCATTER_SHAPES:
+    x = jax.ShapeDtypeStruct((mesh.size, *shape), jnp.float32,
+                             sharding=NamedSharding(mesh, P("data")))
+    collectives = aot.report(step.lower(x), topology)["collectives"]
+    found = {k: v for k, v in collectives.items() if v["count"]}
+    rows.append({"topology": topology, "operand": f"f32{list(shape)}", "chips": mesh.size,
+                 "operand_bytes": 4 * math.prod(shape),
+                 "compiled": ", ".join(f"{k} x{v['count']} ({v['bytes']} B)"
+                                       for k, v in found.items())})
+  return rows
+
+
+def tpu_result_bytes(strategy: str, c, w, comm) -> float:
+  """Result bytes per step of one ``analysis.Communication``, as the compiled TPU program has them.
+
+  Two ways in which the compiled program moves other bytes than the
+  algorithm's messages, which the cost model counts:
+
+  - The TPU compiler lowers the reduce-scatter of a flat (1-D) buffer, ZeRO-3's
+    stage gradients, to an all-reduce of the whole buffer (each worker then
+    slices its shard), so its result is ``group`` shards. Checked on v5e:2x4
+    with ``lax.psum_scatter(tiled=True)`` of an ``f32[n]`` (BENCHMARKS.md,
+    pod plan section).
+  - The executed timetables' permutes run at every slot whose pair list is not
+    empty, on every chip (`executed_permutes`), each of one padded boundary
+    (pipelines) or one padded stage buffer (CDP-ZeRO).
+  """
+  if comm.kind == "reduce-scatter":
+    return comm.payload_bytes * comm.group
+  if comm.kind == "p2p":
+    message = max(w.boundary_bytes) if comm.what == "activations" else max(w.stage_param_bytes)
+    return executed_permutes(strategy, c) * message
+  return comm.payload_bytes
+
+
 def predicted(strategy: str, c, w=None) -> dict:
   """The cost model's busiest chip: peak bytes and collective result bytes per step.
 
-  ``w``: the workload of ``c`` (`workload`), when already computed.
+  ``w``: the workload of ``c`` (`workload`), when already computed. The
+  executed timetables' ``num_replicas`` copies all-reduce their gradients over
+  the ``replica`` axis (`analysis.cost`'s ``replicas``).
   """
   from cdpjax import analysis  # pylint: disable=g-import-not-at-top
-  w = w or workload(c, executed=STRATEGIES[strategy][1] != "data")
-  cost = analysis.cost(strategy, c.num_workers, w)
+  executed = STRATEGIES[strategy][1] != "data"
+  w = w or workload(c, executed=executed)
+  cost = analysis.cost(strategy, c.num_workers, w, replicas=c.num_replicas if executed else 1)
   m = cost.per_device
   return {"peak_bytes": m.peak, "params_bytes": m.params, "grads_bytes": m.grads,
           "optimizer_bytes": m.optimizer, "buffers_bytes": m.buffers,
           "activations_bytes": m.activations_peak,
-          "collective_bytes": sum(x.payload_bytes for x in cost.communication),
+          "recompute_bytes": max(w.stage_recompute_bytes, default=0.0),
+          "collective_bytes": sum(tpu_result_bytes(strategy, c, w, x) for x in cost.communication),
+          "algorithm_collective_bytes": sum(x.payload_bytes for x in cost.communication),
           "workload": {"param_bytes": w.param_bytes, "activation_bytes": w.activation_bytes,
                        "optimizer_factor": w.optimizer_factor}}
 
@@ -150,11 +263,25 @@ def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> di
 
 
 def row(name, strategy, topology, compiled, prediction) -> dict:
-  gib = 1 << 30
+  """One table row: compiled against predicted.
+
+  Collective bytes are per step (``cdpjax.compiled.collectives_per_step``; the
+  compile runs one step per call): a conditional in the slot scan counts the
+  branch its slot table selects; one whose branch depends on data would be
+  bounded (``_min``: its cheapest branch, ``_max``: its costliest). A point
+  compiled before those figures existed has only the static bytes (each
+  instruction once): ``per_step`` is then False and both figures are the
+  static one.
+  """
+  gib, mib = 1 << 30, 1 << 20
   m = compiled["memory_per_chip"]
-  comm = sum(x["bytes"] for x in compiled["collectives"].values())
+  found = compiled["collectives"].values()
+  per_step = all("bytes_min" in x for x in found)
+  comm = {bound: sum(x[f"bytes_{bound}" if per_step else "bytes"] for x in found)
+          for bound in ("min", "max")}
   kinds = ", ".join(f"{k} x{v['count']}" for k, v in compiled["collectives"].items()
                     if v["count"])
+  model = prediction["collective_bytes"]
   return {
       "model": name, "topology": topology, "strategy": strategy,
       "chips_used": compiled["devices_used"], "params_M": round(compiled["num_params"] / 1e6, 1),
@@ -162,10 +289,13 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
       "peak_ratio": m["peak_bytes"] / prediction["peak_bytes"],
       "argument_GiB": m["argument_bytes"] / gib, "temp_GiB": m["temp_bytes"] / gib,
       "fits": compiled["fits"],
-      "collective_MiB": comm / (1 << 20), "model_collective_MiB":
-          prediction["collective_bytes"] / (1 << 20),
-      "collective_ratio": comm / prediction["collective_bytes"] if prediction["collective_bytes"]
-                          else float("nan"),
+      "model_recompute_GiB": prediction["recompute_bytes"] / gib,
+      "static_collective_MiB": sum(x["bytes"] for x in found) / mib, "per_step": per_step,
+      "collective_MiB_min": comm["min"] / mib, "collective_MiB_max": comm["max"] / mib,
+      "model_collective_MiB": model / mib,
+      "algorithm_collective_MiB": prediction["algorithm_collective_bytes"] / mib,
+      "collective_ratio_min": comm["min"] / model if model else float("nan"),
+      "collective_ratio_max": comm["max"] / model if model else float("nan"),
       "collectives": kinds or "none",
   }
 
@@ -193,7 +323,8 @@ def largest_layers(line, hbm: float, num_stages: int) -> int:
 
 def print_table(rows):
   columns = ("model", "topology", "strategy", "chips_used", "peak_GiB", "model_peak_GiB",
-             "peak_ratio", "collective_MiB", "model_collective_MiB", "collective_ratio")
+             "peak_ratio", "collective_MiB_min", "collective_MiB_max", "model_collective_MiB",
+             "collective_ratio_min", "collective_ratio_max")
   print(" | ".join(columns))
   for r in rows:
     print(" | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in columns))
@@ -205,7 +336,8 @@ def main(argv=None):
   p.add_argument("--models", nargs="+", help="Models of the plan to compile (default: all): "
                  + ", ".join(entry[0] for plan in PLANS.values() for entry in plan))
   p.add_argument("--cached_only", action="store_true",
-                 help="Tabulate the points compiled before (in --results_dir); compile none.")
+                 help="Tabulate the points compiled before (in --results_dir); compile no "
+                 "model (the reduce-scatter check's four small programs still compile).")
   args = p.parse_args(argv)
   out = _common.results_dir(args)
   plan = "quick" if args.quick else "full"
@@ -243,10 +375,14 @@ def main(argv=None):
       rows.append(row(name, strategy, topology, compiled,
                       predicted(strategy, c, workloads[name, executed])))
       print(f"{name} {strategy} {topology}: compiled", flush=True)
+  lowering = reduce_scatter_lowering()
   result = {"rows": rows, "largest_transformer": largest, "not_compiled": missing,
-            "hbm_source": aot.HBM_SOURCE}
+            "reduce_scatter_lowering": lowering, "hbm_source": aot.HBM_SOURCE}
   _common.write_json(out / "tpu_plan.json", result)
   print_table(rows)
+  for r in lowering:
+    print(f"psum_scatter of {r['operand']} per chip over {r['chips']} chips ({r['topology']}): "
+          f"{r['compiled']}")
   if missing:
     print("not compiled (run without --cached_only):", "; ".join(missing))
   return result

@@ -192,6 +192,11 @@ def test_cdp_mp_pipeline_memory_and_messages(params, stage_ids):
   assert {c.kind for c in found} == {"collective-permute"}  # Gradients stay on their device.
   (p2p,) = predicted.communication
   assert all(c.bytes / (p2p.payload_bytes / p2p.ops) == 1.0 for c in found)  # One boundary each.
+  # Per step (one step per call), the program permutes at every slot with neighbours to swap.
+  per_step = compiled.collectives_per_step(compiled.hlo_text(program))["collective-permute"]
+  slots = plan.cyclic_slots(J, 1)
+  swaps = sum(bool(plan.swap_pairs(J, s % 2)) for s in range(slots))
+  assert per_step["bytes_min"] == per_step["bytes_max"] == swaps * act_bytes
 
 
 @pytest.mark.parametrize("timetable", ["cyclic", "zero3"])
@@ -218,6 +223,13 @@ def test_zero_memory_and_traffic(params, stage_ids, timetable):
     moved = stage_bytes * len(plan.cyclic_transfers(ex.plan.delays))
     (ring,) = predicted.communication
     assert moved / ring.total_bytes == 1.0  # 3(N-1) stage messages per stage.
+    # Per step, a permute runs on every device at each slot where its route has a message.
+    ring_plan = plan.zero_plan(ex.plan.delays)
+    sends = sum(bool(lists[i]) for route in (("param", "ring"), ("param", "owner"),
+                                             ("grad", "ring"), ("grad", "final"))
+                for index, lists in [ring_plan.routes(*route)] for i in index)
+    per_step = compiled.collectives_per_step(compiled.hlo_text(program))["collective-permute"]
+    assert per_step["bytes_min"] == per_step["bytes_max"] == sends * stage_bytes
   else:
     summary = compiled.collective_summary(program.as_text())
     scatter, gather = predicted.communication
@@ -251,3 +263,43 @@ def test_async_profile_against_the_simulator_and_cdp():
   # other workers' updates come every 2J/N slots: ceil(N(J-j)/J) - 1 of them in steady state.
   equal = analysis.async_profile(n, j, steps, 40.0)
   np.testing.assert_allclose(equal.async_staleness[1:], np.broadcast_to([2 / 3, 1 / 3], (3, n, j)))
+
+
+def test_replicas_add_one_gradient_all_reduce_and_recompute_adds_to_the_peak():
+  w = analysis.workload([1.0, 2.0, 3.0, 2.0], 1.0, J, recompute_bytes=[0.0, 0.0, 5.0, 0.0])
+  for name in analysis.REPLICATED:
+    one, three = analysis.cost(name, N, w), analysis.cost(name, N, w, replicas=3)
+    assert three.communication[:-1] == one.communication and three.devices == 3 * one.devices
+    assert three.per_device == one.per_device and three.total.params == 3 * one.total.params
+    reduce = three.communication[-1]
+    assert (reduce.kind, reduce.group) == ("all-reduce", 3)
+    assert reduce.total_bytes == 2 * 2 * w.param_bytes  # 2 (R-1) Psi_P over all devices.
+  gpipe = analysis.cost("gpipe", N, w, replicas=3).communication[-1]
+  assert (gpipe.ops, gpipe.payload_bytes) == (1, 3.0)  # The largest stage, once a step.
+  zero3 = analysis.cost("zero-3", N, w, replicas=3).communication[-1]
+  assert (zero3.ops, zero3.payload_bytes) == (J, w.param_bytes / N)  # Every stage's shard.
+  with pytest.raises(ValueError, match="takes no replicas"):
+    analysis.cost("dp", N, w, replicas=2)
+  # A pipeline device holds its own stage's recomputed residuals, a ZeRO worker the largest.
+  plain = w._replace(stage_recompute_bytes=(0.0,) * J)
+  even = analysis.workload(w.param_bytes, 1.0, J, recompute_bytes=4 * 5.0)
+  for name in ("gpipe", "cdp+mp"):
+    assert (analysis.cost(name, N, even).per_device.activations_peak
+            == analysis.cost(name, N, even._replace(stage_recompute_bytes=())).per_device
+            .activations_peak + 5.0)
+  for name in ("zero-3", "cdp+zero", "dp"):
+    assert (analysis.cost(name, N, w).per_device.activations_peak
+            == analysis.cost(name, N, plain).per_device.activations_peak + 5.0)
+
+
+def test_replicated_zero3_all_reduces_each_shard_over_the_replicas(params, stage_ids):
+  """The compiled replica all-reduce, per step, is the cost model's."""
+  mesh = jax.make_mesh((2, N), ("replica", "data"))
+  staged = _staged(params, stage_ids, pad_to=N)
+  ex = zero.make_train_step(staged, optax.sgd(0.1), rule="dp", mesh=mesh)
+  program = ex.lower(ex.init(params), _batch(2 * N)).compile()
+  w = analysis.workload(J * 4 * staged.param_size, 1.0, J)
+  reduce = analysis.cost("zero-3", N, w, replicas=2).communication[-1]
+  found = [c for c in compiled.collectives(program.as_text()) if c.kind == "all-reduce"
+           and c.replica_groups and len(c.replica_groups[0]) == 2]
+  assert sum(c.bytes for c in found) / reduce.payload_bytes == 1.0

@@ -43,7 +43,9 @@ def test_one_collective(mesh, x, body, out_specs, kind, nbytes, groups, pairs):
       kind, nbytes, groups, pairs)
   assert not found.is_async
   summary = compiled.collective_summary(hlo_text)
-  assert summary == {k: {"count": int(k == kind), "bytes": nbytes * (k == kind)}
+  assert summary == {k: {"count": int(k == kind), "bytes": nbytes * (k == kind),
+                         "count_min": int(k == kind), "count_max": int(k == kind),
+                         "bytes_min": nbytes * (k == kind), "bytes_max": nbytes * (k == kind)}
                      for k in compiled.KINDS}
   assert compiled.stablehlo_collectives(lowered.as_text()) == {
       k: int(k == kind) for k in compiled.KINDS}
@@ -124,3 +126,130 @@ def test_collective_schedule_counts_compute_after_each_collective(mesh, x):
 def test_collective_schedule_needs_an_entry():
   with pytest.raises(ValueError, match="ENTRY"):
     compiled.collective_schedule("HloModule m\n")
+
+
+def _scan_with_conds(a):
+  """In a 5-trip scan: a psum runs 5 times; a ppermute under ``i % 2 == 0`` (i = 0..4) 3 times;
+  one under a data-dependent predicate 0 to 5 times (bounded)."""
+  back = tuple((d, s) for s, d in RING)
+
+  def step(c, i):
+    c = jax.lax.cond(i % 2 == 0, lambda c: jax.lax.ppermute(c, "data", RING), lambda c: 2 * c, c)
+    c = jax.lax.cond(c[0, 0] > 1, lambda c: jax.lax.ppermute(c, "data", back), lambda c: 3 * c, c)
+    return c + jax.lax.psum(c, "data"), None
+  return jax.lax.scan(step, a, jnp.arange(5))[0]
+
+
+def _check_scan_with_conds(summary):
+  assert summary["all-reduce"] == {"count": 1, "bytes": SHARD_BYTES, "count_min": 5,
+                                   "count_max": 5, "bytes_min": 5 * SHARD_BYTES,
+                                   "bytes_max": 5 * SHARD_BYTES}
+  permute = summary["collective-permute"]
+  assert permute["count"] == 2
+  assert (permute["count_min"], permute["count_max"]) == (3, 3 + 5)
+
+
+def test_per_step_on_the_tpu_compiler():
+  """The same program compiled for v5e:2x4 (whose loops carry no known_trip_count): the same
+  figures, as `aot.report` gives them."""
+  pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu: pip install -e '.[test]'")
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  tpu_mesh = jax.sharding.Mesh(aot.topology_devices("v5e:2x4"), ("data",))
+  x = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(tpu_mesh, P("data")))
+  _check_scan_with_conds(aot.report(_lower(tpu_mesh, x, _scan_with_conds), "v5e:2x4")[
+      "collectives"])
+
+
+def test_per_step_weights_a_scan_and_follows_or_bounds_conds(mesh, x):
+  hlo = compiled.hlo_text(_lower(mesh, x, _scan_with_conds).compile())
+  assert '"known_trip_count":{"n":"5"}' in hlo  # The CPU compiler's annotation, read first.
+  _check_scan_with_conds(compiled.collective_summary(hlo))
+  per_step = compiled.collectives_per_step(hlo, steps_per_call=5)
+  assert per_step["all-reduce"]["bytes_min"] == SHARD_BYTES
+  with pytest.raises(ValueError, match="steps_per_call"):
+    compiled.collectives_per_step(hlo, steps_per_call=0)
+
+
+# The TPU compiler's form (no known_trip_count): the trip count is read off the condition,
+# counter < 6 from a counter copied from constant 2 (4 trips). The first conditional takes
+# branch counter % 2 (small, large, small, large); the second's index is loop state that
+# changes (data): bounded by its cheapest and costliest branch.
+TPU_LOOP_HLO = """HloModule m, num_partitions=4
+
+%cond (p.0: (s32[], f32[4], s32[])) -> pred[] {
+  %c6 = s32[]{:T(128)} constant(6)
+  %p.0 = (s32[], f32[4], s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p.0), index=0
+  ROOT %lt = pred[] compare(%i, %c6), direction=LT
+}
+
+%small (p.1: f32[4]) -> f32[4] {
+  %p.1 = f32[4]{0} parameter(0)
+  ROOT %ar = f32[4]{0} all-reduce(%p.1), replica_groups={{0,1}}, to_apply=%add
+}
+
+%large (p.2: f32[4]) -> f32[16] {
+  %p.2 = f32[4]{0} parameter(0)
+  ROOT %ag = f32[16]{0} all-gather(%p.2), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%body (p.3: (s32[], f32[4], s32[])) -> (s32[], f32[4], s32[]) {
+  %p.3 = (s32[], f32[4], s32[]) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%p.3), index=1
+  %k = s32[] get-tuple-element(%p.3), index=0
+  %two = s32[] constant(2)
+  %parity = s32[] remainder(%k, %two)
+  %b = f32[4]{0} conditional(%parity, %x, %x), branch_computations={%small, %large}
+  %data = s32[] get-tuple-element(%p.3), index=2
+  %c = f32[4]{0} conditional(%data, %b, %b), branch_computations={%small, %large}
+  %cp = f32[4]{0} collective-permute(%c), source_target_pairs={{0,1},{1,0}}
+  %one = s32[] constant(1)
+  %next = s32[] add(%k, %one)
+  %moved = s32[] add(%data, %one)
+  ROOT %t = (s32[], f32[4], s32[]) tuple(%next, %cp, %moved)
+}
+
+ENTRY %main (a: f32[4]) -> (s32[], f32[4], s32[]) {
+  %a = f32[4]{0} parameter(0)
+  %c2 = s32[] constant(2)
+  %start = s32[]{:T(128)} copy(%c2)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4], s32[]) tuple(%start, /*index=1*/%a, %zero)
+  ROOT %w = (s32[], f32[4], s32[]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_per_step_reads_a_tpu_loop_and_its_branches():
+  per_step = compiled.collectives_per_step(TPU_LOOP_HLO)
+  figures = lambda kind: (per_step[kind]["bytes_min"], per_step[kind]["bytes_max"])
+  assert figures("collective-permute") == (4 * 16, 4 * 16)
+  assert figures("all-reduce") == (2 * 16, 2 * 16 + 4 * 16)  # 2 exact, + 0 to 4 bounded.
+  assert figures("all-gather") == (2 * 64, 2 * 64 + 4 * 64)
+  with pytest.warns(UserWarning, match="trip count"):
+    once = compiled.collectives_per_step(TPU_LOOP_HLO.replace("constant(2)\n  %start",
+                                                              "parameter(1)\n  %start"))
+  assert once["collective-permute"]["count_max"] == 1
+
+
+def test_per_step_follows_a_device_dependent_branch():
+  """A branch on ``partition-id``: devices 0 and 1 all-reduce each trip, 2 and 3 all-gather."""
+  hlo = TPU_LOOP_HLO.replace("%parity = s32[] remainder(%k, %two)",
+                             "%pid = u32[] partition-id()\n  %parity = s32[] divide(%pid, %two)")
+  per_step = compiled.collectives_per_step(hlo)
+  assert per_step["all-reduce"]["bytes_min"] == 0  # Devices 2 and 3.
+  assert per_step["all-reduce"]["bytes_max"] == 4 * 16 + 4 * 16  # Devices 0 and 1, + bounded.
+  assert per_step["all-gather"]["bytes_max"] == 4 * 64 + 4 * 64
+
+
+def test_per_step_follows_a_predicate_conditional():
+  """``true_computation`` runs when the predicate holds: counter % 2 == 0 picks the all-reduce."""
+  hlo = TPU_LOOP_HLO.replace(
+      "%parity = s32[] remainder(%k, %two)",
+      "%r = s32[] remainder(%k, %two)\n  %z = s32[] constant(0)\n"
+      "  %parity = pred[] compare(%r, %z), direction=EQ").replace(
+          "branch_computations={%small, %large}\n  %data",
+          "true_computation=%small, false_computation=%large\n  %data")
+  per_step = compiled.collectives_per_step(hlo)
+  assert (per_step["all-reduce"]["bytes_min"], per_step["all-gather"]["bytes_min"]) == (
+      2 * 16, 2 * 64)

@@ -41,11 +41,18 @@ class Workload(NamedTuple):
     boundary_bytes: bytes of the tensor stage ``j`` sends to stage ``j+1``
       (and of the cotangent sent back), per micro-batch; ``J - 1`` entries.
     optimizer_factor: ``k``, optimizer-state bytes per parameter byte.
+    stage_recompute_bytes: bytes alive only while stage ``j``'s backward runs,
+      for one micro-batch: the residuals of its forward, recomputed there (the
+      executed timetables), beyond ``A_j``; zeros when nothing is recomputed.
+      They add to the per-device activation peak (a pipeline device: its
+      stage's; a worker that runs every stage: the largest), not to the
+      activations kept between a forward and its backward (means, totals).
   """
   stage_param_bytes: tuple
   stage_activation_bytes: tuple
   boundary_bytes: tuple
   optimizer_factor: float
+  stage_recompute_bytes: tuple = ()
 
   @property
   def num_stages(self) -> int:
@@ -70,7 +77,7 @@ def _per_stage(value, num_stages: int, name: str) -> tuple:
 
 
 def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor: float = 1.0,
-             boundary_bytes=None) -> Workload:
+             boundary_bytes=None, recompute_bytes=0.0) -> Workload:
   """A ``Workload`` from totals (split evenly over stages) or per-stage sequences.
 
   Args:
@@ -81,6 +88,9 @@ def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor
     boundary_bytes: one number for every stage boundary or ``J - 1`` numbers;
       defaults to ``A_{j+1}`` (a stage stores just its input, as with
       recomputation).
+    recompute_bytes: the transient residuals of a stage's forward recomputed
+      in its backward, per micro-batch: a total split evenly, or ``J``
+      numbers; 0 without recomputation.
   """
   if int(num_stages) != num_stages or num_stages < 1:
     raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
@@ -95,7 +105,8 @@ def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor
     if len(boundary) != num_stages - 1:
       raise ValueError(
           f"boundary_bytes has {len(boundary)} entries; need J - 1 = {num_stages - 1}.")
-  return Workload(params, acts, boundary, float(optimizer_factor))
+  recompute = _per_stage(recompute_bytes, num_stages, "recompute_bytes")
+  return Workload(params, acts, boundary, float(optimizer_factor), recompute)
 
 
 class Network(NamedTuple):
@@ -357,7 +368,7 @@ def _data_parallel(name: str, rule, n: int, w: Workload, net: Network, *,
   grads = P / n if shard >= 2 else P
   buffers = {0: 0.0, 1: 0.0, 2: pmax, 3: 2 * pmax}[shard]  # ZeRO-3: a stage's params + grads.
   memory = Memory(params, grads, k * P / n if shard >= 1 else k * P, buffers,
-                  float(prof.peak.max()), float(prof.mean.max()))
+                  float(prof.peak.max()) + _recompute(w), float(prof.mean.max()))
   if shard == 0:
     comms = (Communication(
         "all-reduce", "gradients", n, J, P, 2 * (n - 1) / n * P, 2 * (n - 1) * P,
@@ -400,9 +411,14 @@ def zero_2(n: int, w: Workload, net: Network = Network()) -> Cost:
   return _data_parallel("zero-2", "dp", n, w, net, shard=2)
 
 
-def zero_3(n: int, w: Workload, net: Network = Network()) -> Cost:
-  """ZeRO-3 (FSDP): parameters sharded too, each stage all-gathered at use."""
-  return _data_parallel("zero-3", "dp", n, w, net, shard=3)
+def zero_3(n: int, w: Workload, net: Network = Network(), *, replicas: int = 1) -> Cost:
+  """ZeRO-3 (FSDP): parameters sharded too, each stage all-gathered at use.
+
+  ``replicas``: ``R`` groups of ``n``; each worker all-reduces its shard of
+  every stage's gradient over the ``R`` groups, ``J`` all-reduces of ``P_j/n``.
+  """
+  c = _data_parallel("zero-3", "dp", n, w, net, shard=3)
+  return _replicated(c, replicas, [p / n for p in w.stage_param_bytes], w.param_bytes, net)
 
 
 def _p2p(n_micro: int, w: Workload, net: Network, pipelines: int) -> Communication:
@@ -417,9 +433,18 @@ def _p2p(n_micro: int, w: Workload, net: Network, pipelines: int) -> Communicati
                        ops * p2p_time(b, net))
 
 
+def _recompute(w: Workload, j: int | None = None) -> float:
+  """The transient residuals of a recomputed forward: stage ``j``'s, or the largest stage's."""
+  if j is None or not w.stage_recompute_bytes:
+    return max(w.stage_recompute_bytes, default=0.0)
+  return w.stage_recompute_bytes[j]
+
+
 def _stage_memory(w: Workload, j: int, versions: int, act_peak: float, act_mean: float) -> Memory:
+  """Device ``j`` of a pipeline; its backward adds the stage's recomputed residuals to the peak."""
   p = w.stage_param_bytes[j]
-  return Memory(versions * p, p, w.optimizer_factor * p, 0.0, act_peak, act_mean)
+  return Memory(versions * p, p, w.optimizer_factor * p, 0.0, act_peak + _recompute(w, j),
+                act_mean)
 
 
 def dp_mp(n: int, w: Workload, net: Network = Network()) -> Cost:
@@ -439,6 +464,26 @@ def dp_mp(n: int, w: Workload, net: Network = Network()) -> Cost:
               grad_ready_peak(events, w.stage_param_bytes, n, window), 2 * J, 1 - 1 / J, 0, 0.0)
 
 
+def _replicated(c: Cost, replicas: int, op_bytes: Sequence[float], replica_bytes: float,
+                net: Network) -> Cost:
+  """``replicas`` copies of ``c``'s devices whose gradients are all-reduced over the copies.
+
+  ``op_bytes``: the all-reduces of ``c``'s device (its ``Communication``'s
+  device), one entry per operation; ``replica_bytes``: their bytes summed over
+  the devices of one copy. ``replicas = 1`` returns ``c``.
+  """
+  if int(replicas) != replicas or replicas < 1:
+    raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}.")
+  if replicas == 1:
+    return c
+  r, payload = int(replicas), float(sum(op_bytes))
+  reduce = Communication("all-reduce", "gradients", r, len(op_bytes), payload,
+                         2 * (r - 1) / r * payload, 2 * (r - 1) * replica_bytes,
+                         sum(all_reduce_time(r, b, net) for b in op_bytes))
+  total = c.total._replace(**{k: r * v for k, v in c.total._asdict().items()})
+  return c._replace(devices=r * c.devices, total=total, communication=c.communication + (reduce,))
+
+
 def _flushed_pipeline(name: str, events, n: int, w: Workload, net: Network) -> Cost:
   J = w.num_stages
   length = int(max(e.slot for e in events)) + 1
@@ -449,10 +494,15 @@ def _flushed_pipeline(name: str, events, n: int, w: Workload, net: Network) -> C
               (_p2p(n, w, net, 1),), None, length, 1 - 2 * n / length, 0, 0.0)
 
 
-def gpipe(n: int, w: Workload, net: Network = Network()) -> Cost:
-  """GPipe on ``J`` devices: ``N`` micro-batches, all forwards, all backwards, flush."""
+def gpipe(n: int, w: Workload, net: Network = Network(), *, replicas: int = 1) -> Cost:
+  """GPipe on ``J`` devices: ``N`` micro-batches, all forwards, all backwards, flush.
+
+  ``replicas``: ``R`` pipelines; device ``j`` all-reduces stage ``j``'s
+  gradient over them once per step (its busiest device: the largest stage).
+  """
   events = plan_lib.executed_events("gpipe", "dp", w.num_stages, 1, num_micro_batches=n)
-  return _flushed_pipeline("gpipe", events, n, w, net)
+  return _replicated(_flushed_pipeline("gpipe", events, n, w, net), replicas,
+                     [max(w.stage_param_bytes)], w.param_bytes, net)
 
 
 def one_f_one_b(n: int, w: Workload, net: Network = Network()) -> Cost:
@@ -466,8 +516,12 @@ def _check_cyclic_square(name: str, n: int, w: Workload) -> None:
                      f"J={w.num_stages}. Use as many workers as stages.")
 
 
-def cdp_mp(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") -> Cost:
-  """CDP + model parallelism: ``J`` devices, device ``j`` runs stage ``j`` of every micro-batch."""
+def cdp_mp(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
+           replicas: int = 1) -> Cost:
+  """CDP + model parallelism: ``J`` devices, device ``j`` runs stage ``j`` of every micro-batch.
+
+  ``replicas``: as for `gpipe`, one all-reduce of stage ``j`` per step.
+  """
   _check_cyclic_square("cdp+mp", n, w)
   J = w.num_stages
   events, window = _steady_timeline(rule, n, J, executed=True)
@@ -476,19 +530,23 @@ def cdp_mp(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") -> C
   # Device j's ring buffer holds D + 1 whole versions of its stage, stale or not.
   versions = 1 + schedule.max_delay(rule)
   memories = [_stage_memory(w, j, versions, prof.peak[j], prof.mean[j]) for j in range(J)]
-  return Cost("cdp+mp", J, _busiest(memories),
-              _memory_sum(memories, prof.total_peak, prof.total_mean),
-              (_p2p(n, w, net, 1),), None, 2 * J, 0.0, *_staleness(rule, n, J))
+  c = Cost("cdp+mp", J, _busiest(memories),
+           _memory_sum(memories, prof.total_peak, prof.total_mean),
+           (_p2p(n, w, net, 1),), None, 2 * J, 0.0, *_staleness(rule, n, J))
+  return _replicated(c, replicas, [max(w.stage_param_bytes)], w.param_bytes, net)
 
 
-def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") -> Cost:
+def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
+             replicas: int = 1) -> Cost:
   """CDP + ZeRO: worker ``r`` owns stage ``J-1-r``; stages and gradients travel a ring.
 
   The messages are the executor's (`plan.cyclic_transfers`): per step and
   stage, each of the ``N-1`` non-owners receives the stage once for its forward
   and once for its backward, and the gradient reaches the owner in ``N-1``
   hops, ``3(N-1)`` point-to-point messages of ``P_j`` bytes. Its
-  ``Communication`` is the average device's.
+  ``Communication`` is the average device's. With ``replicas`` rings, each
+  owner all-reduces its stage's gradient over them once per step (the average
+  device: ``Psi_P / N``).
   """
   _check_cyclic_square("cdp+zero", n, w)
   J, k = w.num_stages, w.optimizer_factor
@@ -497,17 +555,19 @@ def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2") ->
                                   window, n)
   versions = 1 + schedule.max_delay(rule)  # The owner keeps D + 1 whole versions of its stage.
   pmax = max(w.stage_param_bytes)
-  memories = [Memory(versions * p, p, k * p, 2 * pmax, prof.peak[J - 1 - j], prof.mean[J - 1 - j])
+  memories = [Memory(versions * p, p, k * p, 2 * pmax, prof.peak[J - 1 - j] + _recompute(w),
+                     prof.mean[J - 1 - j])
               for j, p in enumerate(w.stage_param_bytes)]
   transfers = plan_lib.cyclic_transfers(schedule.resolve(rule, n, J))
   hops = len(transfers) // n  # Messages per step received by the average device.
   total = float(sum(w.stage_param_bytes[t.stage] for t in transfers))
   comms = (Communication("p2p", "parameters+gradients", 2, hops, total / n, total / n,
                          total, hops * net.alpha + total / n * net.beta),)
-  return Cost("cdp+zero", n, _busiest(memories),
-              _memory_sum(memories, prof.total_peak, prof.total_mean), comms,
-              grad_ready_peak(events, w.stage_param_bytes, n, window), 2 * J, 0.0,
-              *_staleness(rule, n, J))
+  c = Cost("cdp+zero", n, _busiest(memories),
+           _memory_sum(memories, prof.total_peak, prof.total_mean), comms,
+           grad_ready_peak(events, w.stage_param_bytes, n, window), 2 * J, 0.0,
+           *_staleness(rule, n, J))
+  return _replicated(c, replicas, [w.param_bytes / n], w.param_bytes, net)
 
 
 STRATEGIES: dict[str, Callable[..., Cost]] = {
@@ -517,12 +577,25 @@ STRATEGIES: dict[str, Callable[..., Cost]] = {
 }
 """Every strategy: ``STRATEGIES[name](num_workers, workload, network) -> Cost``."""
 
+REPLICATED = ("gpipe", "cdp+mp", "zero-3", "cdp+zero")
+"""The strategies that take ``replicas``: the executed timetables on a ``(replica, ...)`` mesh."""
 
-def cost(strategy: str, num_workers: int, w: Workload, net: Network = Network()) -> Cost:
-  """``STRATEGIES[strategy](num_workers, w, net)``, with a helpful error for a bad name."""
+
+def cost(strategy: str, num_workers: int, w: Workload, net: Network = Network(), *,
+         replicas: int = 1) -> Cost:
+  """``STRATEGIES[strategy](num_workers, w, net)``, with a helpful error for a bad name.
+
+  ``replicas``: ``R`` copies of the strategy's devices, each device's gradients
+  all-reduced over them (`REPLICATED` strategies only).
+  """
   if strategy not in STRATEGIES:
     raise ValueError(f"Unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}.")
-  return STRATEGIES[strategy](num_workers, w, net)
+  if replicas == 1:
+    return STRATEGIES[strategy](num_workers, w, net)
+  if strategy not in REPLICATED:
+    raise ValueError(f"{strategy} takes no replicas (got {replicas}): use one of "
+                     f"{', '.join(REPLICATED)}, or more workers.")
+  return STRATEGIES[strategy](num_workers, w, net, replicas=replicas)
 
 
 def compare(num_workers: int, w: Workload, net: Network = Network(),

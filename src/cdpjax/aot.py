@@ -166,8 +166,10 @@ def report(lowered, topology: str) -> dict:
   (`cdpjax.compiled.memory`); ``fits`` compares it with the chip's HBM
   (`CHIP_HBM_BYTES`). Collectives are the collective instructions of the
   compiled program with the bytes of their results on one chip
-  (`cdpjax.compiled.collectives`): an instruction inside a loop (the slot
-  scan of the executed timetables) or a branch is counted once.
+  (`cdpjax.compiled.collective_summary`): ``count`` and ``bytes`` count each
+  instruction once; ``count_min``/``_max`` and ``bytes_min``/``_max`` are per
+  step, weighted by the loops' trip counts and the branches the slot tables
+  take (bounds where a branch cannot be read statically).
   """
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
@@ -204,7 +206,7 @@ def report(lowered, topology: str) -> dict:
       "hbm_per_chip_bytes": hbm,
       "hbm_source": HBM_SOURCE,
       "fits": memory["peak_bytes"] <= hbm,
-      "collectives": compiled.collective_summary(program.as_text()),
+      "collectives": compiled.collective_summary(compiled.hlo_text(program)),
       "flops": float((analysis or {}).get("flops", 0.0)),
       "optimal_seconds": float((analysis or {}).get("optimal_seconds", float("nan"))),
   }

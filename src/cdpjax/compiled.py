@@ -1,14 +1,18 @@
 """Figures read from compiled XLA programs: collectives, memory and FLOPs.
 
-Counts are static: a collective inside a loop body (``lax.scan``) counts once,
-whatever the trip count. All figures are per device. Collectives are parsed from
-the HLO text by hand because jax exposes no public per-instruction API.
+`collectives` and the ``count`` and ``bytes`` of `collective_summary` are
+static: a collective inside a loop body (``lax.scan``) or a conditional branch
+counts once. `collectives_per_step` weights each one by the trip counts of the
+loops around it, and bounds what conditionals run (cheapest and costliest
+branch). All figures are per device. Collectives are parsed from the HLO text by
+hand because jax exposes no public per-instruction API.
 """
 from __future__ import annotations
 
 import math
 import re
-from typing import NamedTuple
+import warnings
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -97,6 +101,20 @@ def _replica_groups(attrs: str):
   return tuple(tuple(int(d) for d in g) for g in ids.reshape(to_ints(out_dims)))
 
 
+def hlo_text(compiled) -> str:
+  """The HLO text of a compiled program with every constant printed in full.
+
+  ``compiled.as_text()`` elides large constants (``{...}``), among them the
+  executed timetables' slot tables, which `collectives_per_step` reads to
+  know the branch each slot takes; jax has no public option to print them, so
+  this uses jaxlib's ``HloPrintOptions``.
+  """
+  from jaxlib import _hlo  # pylint: disable=g-import-not-at-top
+  options = _hlo.HloPrintOptions()
+  options.print_large_constants = True
+  return "\n".join(m.to_string(options) for m in compiled.runtime_executable().hlo_modules())
+
+
 def collectives(hlo_text: str) -> list[Collective]:
   """The collectives of compiled HLO text, ``jit(f).lower(*a).compile().as_text()``."""
   instructions = []
@@ -151,19 +169,8 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%
 _COMPUTE = re.compile(r"\b(convolution|dot)\(|custom_call_target=\"[^\"]*(?:[Mm]atmul|[Cc]onv|[Gg]emm)")
 
 
-def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
-  """Where the collectives sit in the schedule of a compiled module's entry computation.
-
-  Compiled HLO lists each computation's instructions in the order its schedule
-  runs them, so a collective with compute instructions after it can overlap
-  them (when the backend runs it asynchronously), and one placed after every
-  compute instruction cannot. Loop bodies count as one compute instruction of
-  the entry computation.
-
-  Returns:
-    The entry computation's collectives in schedule order, and its number of
-    compute instructions.
-  """
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+  """``({computation name: its instruction lines}, entry name)`` of compiled HLO text."""
   bodies: dict[str, list[str]] = {}
   entry, current = None, None
   for line in hlo_text.splitlines():
@@ -179,6 +186,23 @@ def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
       bodies[current].append(line)
   if entry is None:
     raise ValueError("No ENTRY computation in the HLO text: pass compiled.as_text().")
+  return bodies, entry
+
+
+def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
+  """Where the collectives sit in the schedule of a compiled module's entry computation.
+
+  Compiled HLO lists each computation's instructions in the order its schedule
+  runs them, so a collective with compute instructions after it can overlap
+  them (when the backend runs it asynchronously), and one placed after every
+  compute instruction cannot. Loop bodies count as one compute instruction of
+  the entry computation.
+
+  Returns:
+    The entry computation's collectives in schedule order, and its number of
+    compute instructions.
+  """
+  bodies, entry = _computations(hlo_text)
   computes: dict[str, bool] = {}
 
   def has_compute(name: str, seen=()) -> bool:
@@ -207,13 +231,365 @@ def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
   return scheduled, sum(is_compute)
 
 
-def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
-  """``{kind: {"count": n, "bytes": b}}`` over `KINDS` (zeros included) of compiled HLO."""
+def collective_summary(hlo_text: str, steps_per_call: int = 1) -> dict[str, dict]:
+  """Per kind of `KINDS` (zeros included), the collectives of compiled HLO, static and per step.
+
+  ``count`` and ``bytes`` are static: each instruction once. ``count_min``,
+  ``count_max``, ``bytes_min`` and ``bytes_max`` are per step
+  (`collectives_per_step`): weighted by loop trip counts and divided by
+  ``steps_per_call``, with every conditional taking its cheapest (``_min``) or
+  its costliest (``_max``) branch.
+  """
   summary = {kind: {"count": 0, "bytes": 0} for kind in KINDS}
   for c in collectives(hlo_text):
     summary[c.kind]["count"] += 1
     summary[c.kind]["bytes"] += c.bytes
+  for kind, figures in collectives_per_step(hlo_text, steps_per_call).items():
+    summary[kind].update(figures)
   return summary
+
+
+_WHILE = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_INDUCTION = re.compile(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}')
+_INIT = re.compile(r'"known_init_step":\{"init":"(-?\d+)","step":"1"\}')
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+                       r"false_computation=%?([\w.\-]+)")
+_CALLEES = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+
+
+def _definitions(lines) -> dict[str, tuple[str, str, str]]:
+  """``{name: (shape, opcode, text after the opcode's parenthesis)}`` of a computation."""
+  out = {}
+  for line in lines:
+    match = _INSTRUCTION.match(line)
+    if match:
+      shape, tail = _split_shape(match.group("rest"))
+      opcode, _, after = tail.partition("(")
+      out[match.group("name")] = (shape, opcode.strip(), re.sub(r"/\*.*?\*/", "", after))
+  return out
+
+
+def _operands(after: str) -> list[str]:
+  return _OPERAND.findall(after.partition(")")[0])
+
+
+class _Unknown(Exception):
+  """A value that cannot be computed from the HLO text alone."""
+
+
+class _NeedsDevice(_Unknown):
+  """A value that depends on ``partition-id``, evaluated without a device."""
+
+
+class _Scope(NamedTuple):
+  """Where an instruction is evaluated: its computation and what its parameters hold.
+
+  ``param(k)``: the value of parameter ``k`` (fused computations);
+  ``element(k)``: element ``k`` of a tuple parameter (loop bodies);
+  ``device``: the value of ``partition-id``, None when not fixed.
+  """
+  computation: str
+  param: Callable
+  element: Callable
+  device: int | None
+  cache: dict
+
+
+def _unknown(*_):
+  raise _Unknown()
+
+
+_BINARY = {
+    "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "maximum": np.maximum,
+    "minimum": np.minimum, "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
+    "remainder": np.fmod,  # C's remainder, as XLA's: the sign of the dividend.
+    "divide": lambda a, b: np.trunc(np.true_divide(a, b)).astype(np.int64),
+    "shift-left": np.left_shift, "shift-right-arithmetic": np.right_shift,
+    "shift-right-logical": lambda a, b: np.right_shift(np.bitwise_and(a, 0xFFFFFFFF), b),
+}
+_COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
+            "GT": np.greater, "GE": np.greater_equal}
+
+
+class _Evaluator:
+  """Evaluates the integer index computations of compiled HLO: constants, iotas, the loop
+  counter, ``partition-id`` and elementwise, slicing and reshaping ops on them.
+
+  Anything else (data, parameters of the entry computation, gathers) raises
+  `_Unknown`: the caller then bounds instead of counting.
+  """
+
+  def __init__(self, bodies, defs=None):
+    self.bodies = bodies
+    self.defs = dict(defs or {})
+
+  def definitions(self, computation: str):
+    if computation not in self.defs:
+      self.defs[computation] = _definitions(self.bodies.get(computation, ()))
+    return self.defs[computation]
+
+  def root(self, computation: str) -> str:
+    for line in self.bodies.get(computation, ()):
+      if line.strip().startswith("ROOT"):
+        return _INSTRUCTION.match(line).group("name")
+    raise _Unknown()
+
+  def value(self, name: str, scope: _Scope) -> np.ndarray:
+    if name not in scope.cache:
+      try:
+        scope.cache[name] = self._value(name, scope)
+      except (KeyError, IndexError, AttributeError, ValueError, TypeError) as e:
+        raise _Unknown() from e  # An op or attribute spelled otherwise than expected.
+    return scope.cache[name]
+
+  def _value(self, name: str, scope: _Scope) -> np.ndarray:
+    defs = self.definitions(scope.computation)
+    if name not in defs:
+      raise _Unknown()
+    shape, opcode, after = defs[name]
+    arrays = _ARRAY.findall(shape)
+    if len(arrays) != 1:
+      raise _Unknown()  # Tuples are only read through get-tuple-element of a parameter.
+    dtype, dims = arrays[0]
+    dims = tuple(int(d) for d in dims.split(",") if d)
+    ops = _operands(after)
+    attrs = after.partition(")")[2]
+    if opcode == "parameter":
+      return scope.param(int(after.partition(")")[0]))
+    if opcode == "get-tuple-element":
+      if defs.get(ops[0], ("", ""))[1] != "parameter":
+        raise _Unknown()
+      return scope.element(int(re.search(r"index=(\d+)", attrs).group(1)))
+    if opcode == "constant":
+      text = after.partition(")")[0].replace("{", " ").replace("}", " ").replace(",", " ")
+      try:
+        values = [{"true": 1, "false": 0}.get(t, None) if t in ("true", "false") else float(t)
+                  for t in text.split()]
+      except ValueError as e:
+        raise _Unknown() from e
+      return self._typed(np.array(values).reshape(dims), dtype)
+    if opcode == "iota":
+      axis = int(re.search(r"iota_dimension=(\d+)", attrs).group(1))
+      shape_ = [1] * len(dims)
+      shape_[axis] = dims[axis]
+      return np.broadcast_to(np.arange(dims[axis]).reshape(shape_), dims)
+    if opcode == "partition-id":
+      if scope.device is None:
+        raise _NeedsDevice()
+      return np.array(scope.device)
+    if opcode == "copy-done":  # Of an asynchronous copy-start, whose operand is the value.
+      start = defs.get(ops[0])
+      if not start or start[1] != "copy-start":
+        raise _Unknown()
+      return self.value(_operands(start[2])[0], scope)
+    if opcode == "fusion":
+      callee = _CALLEES.search(attrs).group(1)
+      args = [self.value(o, scope) for o in ops]
+      inner = _Scope(callee, lambda k: args[k], _unknown, scope.device, {})
+      return self.value(self.root(callee), inner)
+    args = [self.value(o, scope) for o in ops]
+    if opcode in _BINARY:
+      out = _BINARY[opcode](args[0], args[1])
+    elif opcode == "compare":
+      out = _COMPARE[re.search(r"direction=(\w+)", attrs).group(1)](args[0], args[1])
+    elif opcode == "select":
+      out = np.where(args[0], args[1], args[2])
+    elif opcode == "clamp":
+      out = np.clip(args[1], args[0], args[2])
+    elif opcode in ("not", "negate", "abs", "sign"):
+      out = {"not": np.invert, "negate": np.negative, "abs": np.abs, "sign": np.sign}[opcode](
+          args[0])
+    elif opcode in ("copy", "bitcast", "reshape", "convert"):
+      out = args[0]
+    elif opcode == "broadcast":
+      kept = [int(d) for d in re.search(r"dimensions=\{([\d,]*)\}", attrs).group(1).split(",")
+              if d]
+      shape_ = [1] * len(dims)
+      for axis, d in zip(kept, np.shape(args[0])):
+        shape_[axis] = d
+      out = np.broadcast_to(np.reshape(args[0], shape_), dims)
+    elif opcode == "slice":
+      spans = re.findall(r"\[(\d+):(\d+)(?::(\d+))?\]", attrs)
+      out = args[0][tuple(slice(int(a), int(b), int(c or 1)) for a, b, c in spans)]
+    elif opcode == "dynamic-slice":
+      sizes = [int(d) for d in re.search(r"dynamic_slice_sizes=\{([\d,]*)\}", attrs).group(1)
+               .split(",") if d]
+      operand = args[0]
+      starts = [int(np.clip(int(i), 0, n - k)) for i, n, k in zip(args[1:], operand.shape, sizes)]
+      out = operand[tuple(slice(a, a + k) for a, k in zip(starts, sizes))]
+    elif opcode == "concatenate":
+      axis = int(re.search(r"dimensions=\{(\d+)\}", attrs).group(1))
+      out = np.concatenate(args, axis=axis)
+    else:
+      raise _Unknown()
+    return self._typed(np.reshape(out, dims), dtype)
+
+  @staticmethod
+  def _typed(value: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "pred":
+      return value != 0
+    if re.fullmatch(r"[su]\d+", dtype):
+      return np.trunc(value).astype(np.int64)
+    return value.astype(np.float64)
+
+
+def _loop(line: str, caller, condition_lines) -> tuple[int, int, int] | None:
+  """``(trips, counter's tuple index, its start)`` of a while loop, or None.
+
+  The CPU compiler annotates a loop (``known_trip_count``, its induction
+  variable and start); the TPU compiler does not, so they are read off the
+  condition: a ``lax.scan`` or ``fori_loop`` loop's condition is ``counter <
+  C``, the counter's initial value a constant in the loop's operand tuple and
+  its step 1 (how JAX lowers them): ``C - start`` trips.
+  """
+  known, index, init = _TRIP.search(line), _INDUCTION.search(line), _INIT.search(line)
+  if known and index and init:
+    return int(known.group(1)), int(index.group(1)), int(init.group(1))
+  condition = _definitions(condition_lines)
+  roots = [_INSTRUCTION.match(l).group("name") for l in condition_lines
+           if l.strip().startswith("ROOT")]
+  if not roots or condition[roots[0]][1] != "compare":
+    return None
+  after = condition[roots[0]][2]
+  lhs, rhs = _operands(after)[:2]
+  direction = re.search(r"direction=(\w+)", after)
+  if direction and direction.group(1) == "GT":
+    lhs, rhs = rhs, lhs
+  elif not direction or direction.group(1) != "LT":
+    return None
+  counter = condition.get(lhs)
+  if counter is None or counter[1] != "get-tuple-element":
+    return None
+  index = int(re.search(r"index=(\d+)", counter[2]).group(1))
+  operand = caller.get(_operands(line.split(" while(", 1)[1])[0])
+  if operand is None or operand[1] != "tuple":
+    return None
+  evaluator = _Evaluator({}, {"condition": condition, "caller": caller})
+  try:
+    bound = int(evaluator.value(rhs, _Scope("condition", _unknown, _unknown, None, {})))
+    start = int(evaluator.value(_operands(operand[2])[index],
+                                _Scope("caller", _unknown, _unknown, None, {})))
+  except _Unknown:
+    return None
+  return max(bound - start, 0), index, start
+
+
+def _branch_names(match) -> list[str]:
+  names = match.group(1) or f"{match.group(2)},{match.group(3)}"
+  return [b.strip().lstrip("%") for b in names.split(",")]
+
+
+def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, dict[str, float]]:
+  """``{kind: {"count_min", "count_max", "bytes_min", "bytes_max"}}`` per step, per device.
+
+  Each collective counts as often as the loops around it run (their trip
+  counts, `_loop`), divided by ``steps_per_call`` (the steps one call runs,
+  e.g. ``scan_steps``). A conditional directly in a loop body whose branch
+  index is a static function of the loop counter and the device (the
+  executed timetables' slot tables: constants indexed by the slot, the
+  stage's ``axis_index``) counts the branch it takes at each trip, on each
+  device (`_Evaluator`); ``_min`` and ``_max`` are then the least and most
+  busy device's. Any other conditional is bounded: ``_min`` takes its cheapest
+  branch (per kind), ``_max`` its costliest. A loop whose trip count cannot
+  be read counts once, with a warning. Without loops and conditionals, min =
+  max = the static `collective_summary`.
+  """
+  if int(steps_per_call) != steps_per_call or steps_per_call < 1:
+    raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}.")
+  bodies, entry = _computations(hlo_text)
+  header = re.search(r"num_partitions=(\d+)", hlo_text.partition("\n")[0])
+  devices = range(int(header.group(1)) if header else 1)
+  column = {kind: i for i, kind in enumerate(KINDS)}
+  evaluator = _Evaluator(bodies)
+  memo: dict[str, np.ndarray] = {}
+
+  def own(name: str) -> np.ndarray:
+    """``[min|max, count|bytes, kind]`` of the collectives computation ``name`` itself holds."""
+    out = np.zeros((2, 2, len(KINDS)))
+    for c in collectives("\n".join(bodies.get(name, []))):
+      out[:, :, column[c.kind]] += (1, c.bytes)
+    return out
+
+  def ranges(name: str) -> np.ndarray:
+    """``[min|max, count|bytes, kind]`` of one run of computation ``name``, conditionals bounded."""
+    if name not in memo:
+      memo[name] = np.zeros((2, 2, len(KINDS)))  # Cuts cycles; computations form a DAG.
+      defs = _definitions(bodies.get(name, []))
+      memo[name] = own(name) + sum((line_ranges(name, defs, line)
+                                    for line in bodies.get(name, [])), np.zeros(1))
+    return memo[name]
+
+  def bounded(branches) -> np.ndarray:
+    each = np.stack([ranges(b) for b in branches])
+    return np.stack([each[:, 0].min(axis=0), each[:, 1].max(axis=0)])
+
+  def line_ranges(name: str, defs, line: str) -> np.ndarray:
+    loop, branches = _WHILE.search(line), _BRANCHES.search(line)
+    if loop and " while(" in line:
+      return loop_ranges(name, defs, line, loop.group(1), loop.group(2))
+    if branches:
+      return bounded(_branch_names(branches))
+    return sum((ranges(callee) for callee in _CALLEES.findall(line)), np.zeros(1))
+
+  def loop_ranges(caller: str, defs, line: str, condition: str, body: str) -> np.ndarray:
+    info = _loop(line, defs, bodies.get(condition, []))
+    if info is None:
+      warnings.warn(f"Loop {body} has no readable trip count; counted once.")
+      return ranges(body)
+    trips, counter, start = info
+    body_defs = _definitions(bodies.get(body, []))
+    conditionals = [(_INSTRUCTION.match(l).group("name"), _BRANCHES.search(l))
+                    for l in bodies.get(body, []) if _BRANCHES.search(l)]
+    if not conditionals:
+      return trips * ranges(body)
+    rest = own(body) + sum((line_ranges(body, body_defs, l) for l in bodies.get(body, [])
+                            if not _BRANCHES.search(l)), np.zeros(1))
+    root = body_defs[evaluator.root(body)]
+    returned = _operands(root[2]) if root[1] == "tuple" else []
+    init = _operands(defs[_operands(line.split(" while(", 1)[1])[0]][2])
+
+    caller_scopes = {}
+
+    def invariant(k: int, device) -> np.ndarray:
+      """Element ``k`` of the loop's state, when the body passes it through unchanged."""
+      passed = body_defs.get(returned[k]) if k < len(returned) else None
+      if not passed or passed[1] != "get-tuple-element" or not re.search(rf"index={k}\b",
+                                                                           passed[2]):
+        raise _Unknown()
+      if device not in caller_scopes:
+        caller_scopes[device] = _Scope(caller, _unknown, _unknown, device, {})
+      return evaluator.value(init[k], caller_scopes[device])
+
+    def trip(i: int, device) -> np.ndarray:
+      element = lambda k: np.array(start + i) if k == counter else invariant(k, device)
+      scope = _Scope(body, _unknown, element, device, {})
+      out = np.zeros((2, 2, len(KINDS)))
+      for name, match in conditionals:
+        branches = _branch_names(match)
+        try:
+          index = int(evaluator.value(_operands(body_defs[name][2])[0], scope))
+        except _NeedsDevice:
+          raise
+        except _Unknown:
+          out += bounded(branches)
+          continue
+        if match.group(2):  # A predicate: true runs the first (true_computation).
+          index = 1 - bool(index)
+        out += ranges(branches[index if 0 <= index < len(branches) else -1])  # XLA: the last.
+      return out
+
+    try:  # One pass when the branches do not depend on the device, else one per device.
+      per_device = [sum((trip(i, None) for i in range(trips)), np.zeros(1))]
+    except _NeedsDevice:
+      per_device = [sum((trip(i, d) for i in range(trips)), np.zeros(1)) for d in devices]
+    per_device = np.broadcast_to(per_device, (len(per_device), 2, 2, len(KINDS)))
+    return trips * rest + np.stack([per_device[:, 0].min(axis=0), per_device[:, 1].max(axis=0)])
+
+  total = ranges(entry) / steps_per_call
+  return {kind: {"count_min": float(total[0, 0, i]), "count_max": float(total[1, 0, i]),
+                 "bytes_min": float(total[0, 1, i]), "bytes_max": float(total[1, 1, i])}
+          for kind, i in column.items()}
 
 
 def stablehlo_collectives(lowered_text: str) -> dict[str, int]:
