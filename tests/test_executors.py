@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cdpjax import config as config_lib
-from cdpjax import executor, train
+from cdpjax import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RULES = ("dp", "cdp-v1", "cdp-v2")
