@@ -341,6 +341,7 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, x_KxMx, labels_KxMxb), carry,
                             jnp.arange(tt.num_slots))
     num_versions = carry.versions_VxP.shape[0]
+    # One slice per output buffer: a gather of the rotated rows is a [V, P] temporary.
     versions = [jax.lax.dynamic_index_in_dim(carry.versions_VxP, (carry.head + v) % num_versions,
                                              keepdims=False) for v in range(num_versions)]
     glob = lambda tree: jax.tree.map(lambda a: a[None], tree)
