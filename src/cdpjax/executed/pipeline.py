@@ -172,9 +172,20 @@ def _branches(staged: StagedModel, axes):
   nothing). The version is read inside the branch that uses it, and no state
   (versions, stash, accumulators) is a branch result, so no branch copies one.
   """
-  def read(carry, event):
-    row = (carry.head + event.version) % carry.versions_VxP.shape[0]
-    return _vary(jax.lax.dynamic_index_in_dim(carry.versions_VxP, row, keepdims=False), axes)
+  def in_stage(fn, carry, event, stage, *operands):
+    """``fn(j, theta, *operands)`` on this device's stage ``j``, with ``theta`` the event's
+    version read inside the stage's branch: read outside, the row would be an operand of
+    the stage switch, a stage-sized copy."""
+    versions_VxP = carry.versions_VxP
+    row = (carry.head + event.version) % versions_VxP.shape[0]
+
+    def branch(j):
+      def run(versions_VxP, row, *ops):
+        theta = _vary(jax.lax.dynamic_index_in_dim(versions_VxP, row, keepdims=False), axes)
+        return _vary(fn(j, theta, *ops), axes)
+      return run
+    return jax.lax.switch(stage, [branch(j) for j in range(staged.num_stages)], versions_VxP, row,
+                          *operands)
 
   def finish(*results):
     return _vary(results, axes)
@@ -186,14 +197,14 @@ def _branches(staged: StagedModel, axes):
 
   def forward(ops):
     carry, event, stage, _, x, labels = ops
-    h, loss, new_state = staged.apply(stage, read(carry, event), carry.model_state_M,
-                                      carry.recv_A, x, labels)
+    h, loss, new_state = in_stage(staged.apply, carry, event, stage, carry.model_state_M,
+                                  carry.recv_A, x, labels)
     return finish(h, jnp.zeros_like(carry.acc_P), new_state, loss)
 
   def backward(ops):
     carry, event, stage, stashed, x, labels = ops
-    grads, send = staged.vjp(stage, read(carry, event), carry.model_state_M, stashed, x, labels,
-                             carry.recv_A)
+    grads, send = in_stage(staged.vjp, carry, event, stage, carry.model_state_M, stashed, x,
+                           labels, carry.recv_A)
     return finish(send, grads, jnp.zeros_like(carry.new_state_M), jnp.zeros((), jnp.float32))
 
   return [idle, forward, backward]
@@ -330,7 +341,9 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, x_KxMx, labels_KxMxb), carry,
                             jnp.arange(tt.num_slots))
     num_versions = carry.versions_VxP.shape[0]
-    versions = carry.versions_VxP[(carry.head + jnp.arange(num_versions)) % num_versions]
+    # One slice per output buffer: a gather of the rotated rows is a [V, P] temporary.
+    versions = [jax.lax.dynamic_index_in_dim(carry.versions_VxP, (carry.head + v) % num_versions,
+                                             keepdims=False) for v in range(num_versions)]
     glob = lambda tree: jax.tree.map(lambda a: a[None], tree)
     new_state = StagedState(state.step + tt.num_steps, glob(versions[0]),
                             tuple(glob(v) for v in versions[1:]), glob(carry.opt_state),
