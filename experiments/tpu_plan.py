@@ -23,6 +23,10 @@ last check compiles one ``lax.psum_scatter`` per operand shape for v5e:2x4
 (`reduce_scatter_lowering`): the TPU compiler turns that of a flat buffer
 into an all-reduce, which the predictions follow (`tpu_result_bytes`).
 
+The largest transformer each strategy fits on v5e and v5p comes from the cost
+model (a line in the layer count); one of them, CDP+MP on v5e:16x16
+(``LARGEST_CHECK``), is compiled at that size to check it against the HBM.
+
   python experiments/tpu_plan.py                  # minutes to hours on 2 cores
   python experiments/tpu_plan.py --quick --results_dir /tmp/tpu_plan
 """
@@ -321,6 +325,31 @@ def largest_layers(line, hbm: float, num_stages: int) -> int:
   return int((hbm - fixed) // per_layer) // num_stages * num_stages
 
 
+# The largest-model figures come from the cost model; one of them is checked by a compile.
+LARGEST_CHECK = ("cdp+mp", "v5e:16x16")
+
+
+def check_largest(out, name, c, largest, cached_only) -> dict | None:
+  """Compiles ``LARGEST_CHECK``'s strategy at its predicted largest layer count, on its pod."""
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  strategy, topology = LARGEST_CHECK
+  layers = next(r["largest_layers"] for r in largest
+                if r["strategy"] == strategy and r["topology"] == topology)
+  c = c.copy_and_resolve_references()
+  with c.unlocked():
+    c.model_kwargs.num_layers = layers
+    c.num_replicas = aot.parse_topology(topology)[1] // c.num_stages
+  compiled = compile_point(out, f"{name}-{layers}layers", c, strategy, topology, cached_only)
+  if compiled is None:
+    return None
+  hbm = compiled["hbm_per_chip_bytes"]
+  peak = compiled["memory_per_chip"]["peak_bytes"]
+  return {"strategy": strategy, "topology": topology, "layers": layers,
+          "params_B": round(compiled["num_params"] / 1e9, 2), "compiled_peak_GiB": peak / (1 << 30),
+          "predicted_peak_GiB": predicted(strategy, c)["peak_bytes"] / (1 << 30),
+          "hbm_GiB": hbm / (1 << 30), "fits": compiled["fits"]}
+
+
 def print_table(rows):
   columns = ("model", "topology", "strategy", "chips_used", "peak_GiB", "model_peak_GiB",
              "peak_ratio", "collective_MiB_min", "collective_MiB_max", "model_collective_MiB",
@@ -349,7 +378,7 @@ def main(argv=None):
   # Each point cuts the model into stages by FLOPs, compiling its units on the CPU: once.
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-  rows, largest, missing, workloads = [], [], [], {}
+  rows, largest, missing, workloads, checked = [], [], [], {}, None
   for name, path, overrides, model_kwargs, pod in entries:
     chips = aot.parse_topology(pod)[1]
     for strategy in args.strategies:
@@ -365,6 +394,10 @@ def main(argv=None):
                           "d_model": c.model_kwargs.d_model,
                           "params_B": round(layers * per_layer_params / 1e9, 2),
                           "predicted_GiB_per_layer": line[1] / (1 << 30)})
+      if c.model == "transformer" and strategy == LARGEST_CHECK[0]:
+        checked = check_largest(out, name, c, largest, args.cached_only)
+        if checked is None:
+          missing.append(f"{name} {strategy} {LARGEST_CHECK[1]} at its largest size")
       compiled = compile_point(out, name, c, strategy, topology, args.cached_only)
       if compiled is None:
         missing.append(f"{name} {strategy} {topology}")
@@ -376,7 +409,8 @@ def main(argv=None):
                       predicted(strategy, c, workloads[name, executed])))
       print(f"{name} {strategy} {topology}: compiled", flush=True)
   lowering = reduce_scatter_lowering()
-  result = {"rows": rows, "largest_transformer": largest, "not_compiled": missing,
+  result = {"rows": rows, "largest_transformer": largest, "largest_checked": checked,
+            "not_compiled": missing,
             "reduce_scatter_lowering": lowering, "hbm_source": aot.HBM_SOURCE}
   _common.write_json(out / "tpu_plan.json", result)
   print_table(rows)
