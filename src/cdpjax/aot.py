@@ -159,6 +159,24 @@ def build(c, devices):
   return lowered, info
 
 
+def compile_uncached(lowered, compiler_options=None):
+  """``lowered.compile(compiler_options)`` with JAX's persistent compilation cache off.
+
+  A TPU executable in that cache cannot be read back on a host without a TPU
+  (each later run would warn), so TPU programs compiled here stay out of it.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
+  cache = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # The flag is read when the cache starts.
+  try:
+    return lowered.compile(compiler_options=compiler_options)
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
+    compilation_cache.reset_cache()
+
+
 def report(lowered, topology: str) -> dict:
   """What the TPU compiler makes of ``lowered``: per-chip memory, collectives, FLOPs, fit.
 
@@ -171,16 +189,9 @@ def report(lowered, topology: str) -> dict:
   step, weighted by the loops' trip counts and the branches the slot tables
   take (bounds where a branch cannot be read statically).
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
   from cdpjax import compiled  # pylint: disable=g-import-not-at-top
-  # A TPU executable in the persistent compilation cache cannot be read back on this host:
-  # the cache is off for this compile (reset_cache: the flag is read when the cache starts).
-  cache = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()
   try:
-    program = lowered.compile()
+    program = compile_uncached(lowered)
   except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
     if "should include all slice devices" not in str(e):
       raise
@@ -190,9 +201,6 @@ def report(lowered, topology: str) -> dict:
         "with as many chips as the mesh (e.g. v5e:2x2 for 4 stages), or fill the chips: "
         "num_workers = chips (parallelism=data), or num_replicas = chips / J "
         "(parallelism=model or zero: R copies of the executed schedule).") from e
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cache)
-    compilation_cache.reset_cache()
   memory = compiled.memory(program)
   analysis = program.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
@@ -237,6 +245,10 @@ def _gib(nbytes: float) -> str:
   return f"{nbytes / GIB:.3f} GiB"
 
 
+def _range(low: float, high: float, spec: str) -> str:
+  return f"{low:{spec}}" if low == high else f"{low:{spec}}-{high:{spec}}"
+
+
 def summary(result: dict) -> str:
   """A short table of a report, for the terminal."""
   m = result["memory_per_chip"]
@@ -249,8 +261,11 @@ def summary(result: dict) -> str:
         ("argument", "output", "temp", "alias", "peak")],
       f"  HBM             {_gib(result['hbm_per_chip_bytes'])}: "
       + ("fits" if result["fits"] else "DOES NOT FIT"),
-      "collective instructions (per chip; one inside a loop counted once):",
-      *[f"  {kind:<20} {c['count']:>5} ops {c['bytes'] / (1 << 20):>12.2f} MiB"
+      "collectives per chip and step (loops' trips and the branches taken counted; "
+      "a range where a branch depends on data):",
+      *[f"  {kind:<20} {_range(c['count_min'], c['count_max'], '.0f'):>9} ops "
+        f"{_range(c['bytes_min'] / (1 << 20), c['bytes_max'] / (1 << 20), '.2f'):>21} MiB "
+        f"({c['count']} instructions)"
         for kind, c in result["collectives"].items() if c["count"]],
       f"FLOPs per chip {result['flops']:.4g}; compiler's optimal_seconds "
       + (f"{result['optimal_seconds']:.4g}" if result["optimal_seconds"] > 0 else
