@@ -53,6 +53,8 @@ such as ``clip_by_global_norm``, would need an all-reduce.
 """
 from __future__ import annotations
 
+import functools
+from collections import defaultdict
 from typing import Any, NamedTuple
 
 import jax
@@ -182,9 +184,9 @@ class _Carry(NamedTuple):
   head: Any
   opt_state: Any
   model_state_M: Any
-  acc_Q: Any         # The owned stage's gradient sum ([P]), then its next model state ([M]).
   used_2xP: Any      # Stage buffers used, to send on along the ring.
-  partial_2xQ: Any   # Gradient partial sums, to send on along a chain.
+  grads_3xQ: Any     # Rows 0, 1: the queue of gradient partial sums, to send on along a chain;
+                     # row 2: the owned stage's chain that ends here (its next model state after).
   state_2x2M: Any    # Forward model-state messages: the state read, the sum of new ones.
   h_A: Any
   cot_A: Any
@@ -192,6 +194,59 @@ class _Carry(NamedTuple):
   stash_JxM: Any     # The model state each stage's forward read.
   next_JxM: Any      # Worker N-1: each stage's next model state, for the final gradient.
   stats_3xK: Any     # Per step: the loss, the owned stage's squared gradient and parameter norms.
+
+
+class _Rounds(NamedTuple):
+  """The messages of one kind as ``ppermute`` rounds: per slot, round ``r`` has distinct
+  sources and targets, so one collective-permute carries it.
+
+  Attributes:
+    index: ``[R, S]``, which of ``pair_lists[r]`` round ``r`` uses at each slot (0: none).
+    pair_lists: per round, the distinct pair lists; list 0 is empty.
+    sent: ``[R, S, N]``, the route (index in ``routes``, plus 1) a worker sends in a round.
+    received: ``[S, N]``, the round a worker receives in (0 where it receives none).
+  """
+  index: np.ndarray
+  pair_lists: list
+  sent: np.ndarray
+  received: np.ndarray
+
+
+def _rounds(plan: plan_lib.ZeroPlan, kind: str, routes: tuple[str, ...]) -> _Rounds:
+  """Merges the routes of ``kind`` into as few rounds per slot as their pairs allow.
+
+  One collective-permute per round instead of one per route: each runs on every
+  device, and a device that receives nothing still writes a buffer of zeros.
+  A worker receives at most one message of a kind per slot.
+  """
+  num_slots, num_workers = plan.kind.shape
+  by_slot = defaultdict(list)
+  for t in plan.transfers:
+    if t.kind == kind and t.route in routes:
+      by_slot[t.slot].append(t)
+  colours = {}  # slot -> list of rounds, each a list of transfers.
+  for slot, transfers in by_slot.items():
+    rounds = []
+    for t in transfers:
+      free = [r for r in rounds if all(t.src != u.src and t.dst != u.dst for u in r)]
+      (free[0] if free else rounds.append([]) or rounds[-1]).append(t)
+    colours[slot] = rounds
+  num_rounds = max(map(len, colours.values()), default=1)
+  index = np.zeros((num_rounds, num_slots), np.int32)
+  sent = np.zeros((num_rounds, num_slots, num_workers), np.int32)
+  received = np.zeros((num_slots, num_workers), np.int32)
+  pair_lists = [[()] for _ in range(num_rounds)]
+  for slot, rounds in colours.items():
+    for r, transfers in enumerate(rounds):
+      pairs = tuple(sorted((t.src, t.dst) for t in transfers))
+      if pairs not in pair_lists[r]:
+        pair_lists[r].append(pairs)
+      index[r, slot] = pair_lists[r].index(pairs)
+      for t in transfers:
+        assert not received[slot, t.dst], "two messages of one kind to one worker in a slot"
+        sent[r, slot, t.src] = 1 + routes.index(t.route)
+        received[slot, t.dst] = r
+  return _Rounds(index, [[list(p) for p in lists] for lists in pair_lists], sent, received)
 
 
 class _Ring(NamedTuple):
@@ -207,6 +262,26 @@ class _Ring(NamedTuple):
     """Typed for the carry: the owned stage is the same on every replica, the rest is not."""
     return vary(tree, (AXIS,) if state else self.axes)
 
+  def send(self, rounds: _Rounds, slot, me, make, *operands):
+    """The messages of ``rounds`` at ``slot``: what this worker received (zeros if nothing).
+
+    ``make(route, *operands)`` is the buffer a worker sends on ``route`` (1-based, 0: none).
+    """
+    shape = jax.eval_shape(make, jnp.int32(1), *operands)
+    out = []
+    for r, pair_lists in enumerate(rounds.pair_lists):
+      route = jnp.asarray(rounds.sent[r])[slot, me]
+
+      def branch(pairs):
+        if not pairs:
+          return lambda *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
+        return lambda *ops: self.vary(jax.lax.ppermute(make(route, *ops), AXIS, pairs))
+      out.append(jax.lax.switch(jnp.asarray(rounds.index[r])[slot],
+                                [branch(p) for p in pair_lists], *operands))
+    received = jnp.asarray(rounds.received)[slot, me]
+    return functools.reduce(lambda acc, r: jnp.where(received == r, out[r], acc),
+                            range(1, len(out)), out[0])
+
   def route(self, name, slot, make, *operands):
     """The messages ``name`` of ``plan.ROUTES`` at ``slot``; ``make(*operands)`` is the buffer sent."""
     index, pair_lists = self.plan.routes(*name)
@@ -221,7 +296,7 @@ class _Ring(NamedTuple):
 
 def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
   """The owner's optimizer step on its stage, with the chains' sum (and the replicas')."""
-  acc = carry.acc_Q + final_Q
+  acc = carry.grads_3xQ[2] + final_Q
   if ring.num_replicas > 1:
     acc = jax.lax.psum(acc, REPLICA)  # The one all-reduce of this stage and step.
   grads = acc[:ring.size_p] / (ring.num_workers * ring.num_replicas)
@@ -236,7 +311,7 @@ def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
       versions_VxP=carry.versions_VxP.at[head].set(params), head=head,
       opt_state=ring.vary(opt_state, state=True),
       model_state_M=ring.vary(acc[ring.size_p:] / ring.num_replicas, state=True),
-      acc_Q=ring.vary(jnp.zeros_like(acc)), stats_3xK=stats)
+      stats_3xK=stats)
 
 
 def _branches(staged: StagedModel, ring: _Ring):
@@ -249,7 +324,7 @@ def _branches(staged: StagedModel, ring: _Ring):
 
   def idle(ops):
     c = ops[0]
-    zeros_q = jnp.zeros(c.acc_Q.shape, jnp.float32)
+    zeros_q = jnp.zeros(c.grads_3xQ.shape[1:], jnp.float32)
     return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, zeros_q,
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
@@ -263,7 +338,7 @@ def _branches(staged: StagedModel, ring: _Ring):
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
     return ring.vary((h, c.cot_A, c.stash_JxA.at[j].set(c.h_A), c.stash_JxM.at[j].set(read),
-                      c.next_JxM.at[j].set(mean), jnp.zeros(c.acc_Q.shape, jnp.float32), msg,
+                      c.next_JxM.at[j].set(mean), jnp.zeros(c.grads_3xQ.shape[1:], jnp.float32), msg,
                       loss))
 
   def backward(ops):
@@ -289,34 +364,38 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
   branches = _branches(staged, ring)
   size_p, size_m = ring.size_p, ring.size_m
 
+  param_rounds = _rounds(plan, "param", ("ring", "owner"))
+  grad_rounds = _rounds(plan, "grad", ("ring", "final"))
+
   def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
     num_versions = c.versions_VxP.shape[0]
-    own = lambda versions, head, v: versions[(head + v) % num_versions]
-    final = ring.route(("grad", "final"), slot, lambda p: p[(slot + 1) % 2], c.partial_2xQ)
-    c = jax.lax.cond(ev["update"] == 1, lambda c: _update(ring, tx, c, final, ev["update_step"]),
-                     lambda c: c, c)
-    recv = ring.route(("param", "ring"), slot, lambda u: u[slot % 2], c.used_2xP)
-    from_owner = ring.route(
-        ("param", "owner"), slot,
-        lambda vs, h, v, m: jnp.concatenate([own(vs, h, v), m]),
-        c.versions_VxP, c.head, ev["send_version"], c.model_state_M)
-    chain = ring.route(("grad", "ring"), slot, lambda p: p[slot % 2], c.partial_2xQ)
-    buf = jax.lax.switch(ev["source"], [  # Indexed by LOCAL, RING, OWNER; one copy.
-        lambda: ring.vary(own(c.versions_VxP, c.head, ev["version"])), lambda: recv,
-        lambda: from_owner[:size_p]])
-    first_state = jnp.where(ev["source"] == plan_lib.LOCAL, c.model_state_M, from_owner[size_p:])
+    own = lambda v: ring.vary(c.versions_VxP[(c.head + v) % num_versions])
+    parity = slot % 2
+    # Chains send on the partial sum of 2 slots ago, worker N-1 (route 2) the tail's of 1 slot ago.
+    grad_in = ring.send(grad_rounds, slot, me,
+                        lambda route, g: g[jnp.where(route == 2, 1 - parity, parity)], c.grads_3xQ)
+    c = jax.lax.cond(ev["update"] == 1,
+                     lambda c: _update(ring, tx, c, grad_in, ev["update_step"]), lambda c: c, c)
+    # The ring sends on the buffer used 2 slots ago, an owner (route 2) a version and its state.
+    param_in = ring.send(param_rounds, slot, me, lambda route, u: jnp.concatenate([
+        jnp.where(route == 2, own(ev["send_version"]), u[parity]),
+        ring.vary(c.model_state_M)]), c.used_2xP)
+    local = ev["source"] == plan_lib.LOCAL
+    buf = jnp.where(local, own(ev["version"]), param_in[:size_p])
+    first_state = jnp.where(local, c.model_state_M, param_in[size_p:])
     state = jnp.concatenate([first_state, jnp.zeros((size_m,), jnp.float32)])
     if size_m:
       state = jnp.where(ev["state_ring"] == 1, ring.route(
           ("state", "ring"), slot, lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
     h, cot, stash, stash_m, next_m, partial, msg, loss = jax.lax.switch(
-        ev["kind"], branches, (c, ev, buf, state, chain, me, x, labels))
+        ev["kind"], branches, (c, ev, buf, state, grad_in, me, x, labels))
+    # The owner's own chain ends here (row 2) until its update; no worker reads that row's queue.
+    grads_row = jnp.where(ev["grad_end"] == 1, 2, parity)
     return c._replace(
-        acc_Q=jnp.where(ev["grad_end"] == 1, c.acc_Q + partial, c.acc_Q),
-        used_2xP=c.used_2xP.at[slot % 2].set(buf), partial_2xQ=c.partial_2xQ.at[slot % 2].set(partial),
-        state_2x2M=c.state_2x2M.at[slot % 2].set(msg), h_A=h, cot_A=cot, stash_JxA=stash,
+        used_2xP=c.used_2xP.at[parity].set(buf), grads_3xQ=c.grads_3xQ.at[grads_row].set(partial),
+        state_2x2M=c.state_2x2M.at[parity].set(msg), h_A=h, cot_A=cot, stash_JxA=stash,
         stash_JxM=stash_m, next_JxM=next_m,
         stats_3xK=c.stats_3xK.at[0, ev["step"]].add(loss)), None
 
@@ -331,8 +410,8 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
         versions_VxP=ring.vary(jnp.stack([v[0] for v in state.versions]), state=True),
         head=ring.vary(jnp.zeros((), jnp.int32), state=True),
         opt_state=ring.vary(jax.tree.map(lambda a: a[0], state.opt_state), state=True),
-        model_state_M=ring.vary(model_state[0], state=True), acc_Q=zeros(size_p + size_m),
-        used_2xP=zeros(2, size_p), partial_2xQ=zeros(2, size_p + size_m),
+        model_state_M=ring.vary(model_state[0], state=True), used_2xP=zeros(2, size_p),
+        grads_3xQ=zeros(3, size_p + size_m),
         state_2x2M=zeros(2, 2 * size_m), h_A=zeros(act), cot_A=zeros(act),
         stash_JxA=zeros(ring.num_workers, act), stash_JxM=zeros(ring.num_workers, size_m),
         next_JxM=zeros(ring.num_workers, size_m), stats_3xK=zeros(3, num_steps))
