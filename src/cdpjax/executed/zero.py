@@ -196,56 +196,95 @@ class _Carry(NamedTuple):
   stats_3xK: Any     # Per step: the loss, the owned stage's squared gradient and parameter norms.
 
 
+MESSAGES = (("param", "ring"), ("param", "owner"), ("grad", "ring"), ("grad", "final"))
+
+
 class _Rounds(NamedTuple):
-  """The messages of one kind as ``ppermute`` rounds: per slot, round ``r`` has distinct
-  sources and targets, so one collective-permute carries it.
+  """The stage and gradient messages of a call as ``ppermute`` rounds.
+
+  Per slot, the messages of a round have distinct sources and targets, so one
+  collective-permute carries them; a stage buffer and a gradient share a
+  round where their pairs allow (both are ``Q = P + M`` elements).
 
   Attributes:
     index: ``[R, S]``, which of ``pair_lists[r]`` round ``r`` uses at each slot (0: none).
     pair_lists: per round, the distinct pair lists; list 0 is empty.
-    sent: ``[R, S, N]``, the route (index in ``routes``, plus 1) a worker sends in a round.
-    received: ``[S, N]``, the round a worker receives in (0 where it receives none).
+    sent: ``[R, S, N]``, the message (1 + its index in ``MESSAGES``) a worker sends in a
+      round, 0 for none.
+    received: ``{kind: [S, N]}``, the round in which a worker receives its message of
+      ``kind`` (0 where it receives none).
   """
   index: np.ndarray
   pair_lists: list
   sent: np.ndarray
-  received: np.ndarray
+  received: dict
 
 
-def _rounds(plan: plan_lib.ZeroPlan, kind: str, routes: tuple[str, ...]) -> _Rounds:
-  """Merges the routes of ``kind`` into as few rounds per slot as their pairs allow.
+def _edge_colours(edges: list[tuple[int, int]]) -> list[int]:
+  """Colours of the edges ``(src, dst)`` of a bipartite multigraph, as many as its largest degree.
+
+  Koenig's theorem, by the textbook alternating-path swap (a few edges per slot:
+  no library needed).
+  """
+  ends = [(("src", s), ("dst", d)) for s, d in edges]
+  degree = defaultdict(int)
+  for u, v in ends:
+    degree[u] += 1
+    degree[v] += 1
+  at = defaultdict(dict)  # node -> {colour: edge}
+  colour = [0] * len(edges)
+  for e, (u, v) in enumerate(ends):
+    free = lambda node: next(c for c in range(max(degree.values())) if c not in at[node])
+    a, b = free(u), free(v)
+    if a in at[v]:  # Swap a and b along the path from v alternating a, b: it cannot reach u.
+      path, node, c = [], v, a
+      while c in at[node]:
+        f = at[node][c]
+        path.append(f)
+        node = ends[f][0] if node == ends[f][1] else ends[f][1]
+        c = b if c == a else a
+      for f in path:
+        for n in ends[f]:
+          del at[n][colour[f]]
+      for f in path:
+        colour[f] = b if colour[f] == a else a
+        for n in ends[f]:
+          at[n][colour[f]] = f
+    colour[e] = a
+    at[u][a] = at[v][a] = e
+  return colour
+
+
+def _rounds(plan: plan_lib.ZeroPlan) -> _Rounds:
+  """The fewest rounds per slot for the call's stage and gradient messages.
 
   One collective-permute per round instead of one per route: each runs on every
   device, and a device that receives nothing still writes a buffer of zeros.
-  A worker receives at most one message of a kind per slot.
   """
   num_slots, num_workers = plan.kind.shape
   by_slot = defaultdict(list)
   for t in plan.transfers:
-    if t.kind == kind and t.route in routes:
+    if (t.kind, t.route) in MESSAGES:
       by_slot[t.slot].append(t)
-  colours = {}  # slot -> list of rounds, each a list of transfers.
-  for slot, transfers in by_slot.items():
-    rounds = []
-    for t in transfers:
-      free = [r for r in rounds if all(t.src != u.src and t.dst != u.dst for u in r)]
-      (free[0] if free else rounds.append([]) or rounds[-1]).append(t)
-    colours[slot] = rounds
-  num_rounds = max(map(len, colours.values()), default=1)
+  colours = {slot: _edge_colours([(t.src, t.dst) for t in ts]) for slot, ts in by_slot.items()}
+  num_rounds = 1 + max((max(c) for c in colours.values()), default=0)
   index = np.zeros((num_rounds, num_slots), np.int32)
   sent = np.zeros((num_rounds, num_slots, num_workers), np.int32)
-  received = np.zeros((num_slots, num_workers), np.int32)
+  received = {k: np.zeros((num_slots, num_workers), np.int32) for k in ("param", "grad")}
   pair_lists = [[()] for _ in range(num_rounds)]
-  for slot, rounds in colours.items():
-    for r, transfers in enumerate(rounds):
-      pairs = tuple(sorted((t.src, t.dst) for t in transfers))
+  for slot, transfers in by_slot.items():
+    for r in range(num_rounds):
+      pairs = tuple(sorted((t.src, t.dst) for t, c in zip(transfers, colours[slot]) if c == r))
+      if not pairs:
+        continue
       if pairs not in pair_lists[r]:
         pair_lists[r].append(pairs)
       index[r, slot] = pair_lists[r].index(pairs)
-      for t in transfers:
-        assert not received[slot, t.dst], "two messages of one kind to one worker in a slot"
-        sent[r, slot, t.src] = 1 + routes.index(t.route)
-        received[slot, t.dst] = r
+    for t, r in zip(transfers, colours[slot]):
+      # Messages go out before the slot's update: an owner sends no version as it updates.
+      assert not (t.route == "owner" and plan.update[slot, t.src]), t
+      sent[r, slot, t.src] = 1 + MESSAGES.index((t.kind, t.route))
+      received[t.kind][slot, t.dst] = r
   return _Rounds(index, [[list(p) for p in lists] for lists in pair_lists], sent, received)
 
 
@@ -263,24 +302,22 @@ class _Ring(NamedTuple):
     return vary(tree, (AXIS,) if state else self.axes)
 
   def send(self, rounds: _Rounds, slot, me, make, *operands):
-    """The messages of ``rounds`` at ``slot``: what this worker received (zeros if nothing).
+    """The rounds of messages at ``slot``: the buffer each round delivered here (zeros if none).
 
-    ``make(route, *operands)`` is the buffer a worker sends on ``route`` (1-based, 0: none).
+    ``make(message, *operands)`` is the buffer a worker sends (``message`` as in ``sent``).
     """
     shape = jax.eval_shape(make, jnp.int32(1), *operands)
     out = []
     for r, pair_lists in enumerate(rounds.pair_lists):
-      route = jnp.asarray(rounds.sent[r])[slot, me]
+      message = jnp.asarray(rounds.sent[r])[slot, me]
 
       def branch(pairs):
         if not pairs:
           return lambda *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
-        return lambda *ops: self.vary(jax.lax.ppermute(make(route, *ops), AXIS, pairs))
+        return lambda *ops: self.vary(jax.lax.ppermute(make(message, *ops), AXIS, pairs))
       out.append(jax.lax.switch(jnp.asarray(rounds.index[r])[slot],
                                 [branch(p) for p in pair_lists], *operands))
-    received = jnp.asarray(rounds.received)[slot, me]
-    return functools.reduce(lambda acc, r: jnp.where(received == r, out[r], acc),
-                            range(1, len(out)), out[0])
+    return out
 
   def route(self, name, slot, make, *operands):
     """The messages ``name`` of ``plan.ROUTES`` at ``slot``; ``make(*operands)`` is the buffer sent."""
@@ -317,8 +354,9 @@ def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
 def _branches(staged: StagedModel, ring: _Ring):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
-  Operands ``(carry, event, buf_P, state_2M, chain_Q, me, x, labels)``; results
-  ``(h, cot, stash_JxA, stash_JxM, next_JxM, partial_Q, state_2M, loss)``.
+  Operands ``(carry, event, buf_P, state_2M, me, x, labels)``; results
+  ``(h, cot, stash_JxA, stash_JxM, next_JxM, grads_Q, state_2M, loss)`` (zero gradients but
+  in a backward).
   """
   size_m, last = ring.size_m, ring.num_workers - 1
 
@@ -329,7 +367,7 @@ def _branches(staged: StagedModel, ring: _Ring):
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   def forward(ops):
-    c, ev, buf, state, _, me, x, labels = ops
+    c, ev, buf, state, me, x, labels = ops
     j, read = ev["stage"], state[:size_m]
     h, loss, new_state = staged.apply(j, buf, read, c.h_A, x, labels)
     total = state[size_m:] + new_state
@@ -342,12 +380,12 @@ def _branches(staged: StagedModel, ring: _Ring):
                       loss))
 
   def backward(ops):
-    c, ev, buf, _, chain, me, x, labels = ops
+    c, ev, buf, _, me, x, labels = ops
     j = ev["stage"]
     grads, cot = staged.vjp(j, buf, c.stash_JxM[j], c.stash_JxA[j], x, labels, c.cot_A)
     next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
-    partial = jnp.concatenate([grads, next_state]) + jnp.where(ev["grad_chain"] == 1, chain, 0.0)
-    return ring.vary((c.h_A, cot, c.stash_JxA, c.stash_JxM, c.next_JxM, partial,
+    return ring.vary((c.h_A, cot, c.stash_JxA, c.stash_JxM, c.next_JxM,
+                      jnp.concatenate([grads, next_state]),
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   return [idle, forward, backward]
@@ -364,33 +402,41 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
   branches = _branches(staged, ring)
   size_p, size_m = ring.size_p, ring.size_m
 
-  param_rounds = _rounds(plan, "param", ("ring", "owner"))
-  grad_rounds = _rounds(plan, "grad", ("ring", "final"))
+  rounds = _rounds(plan)
 
   def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
     num_versions = c.versions_VxP.shape[0]
-    own = lambda v: ring.vary(c.versions_VxP[(c.head + v) % num_versions])
+    own = lambda c, v: ring.vary(c.versions_VxP[(c.head + v) % num_versions])
     parity = slot % 2
-    # Chains send on the partial sum of 2 slots ago, worker N-1 (route 2) the tail's of 1 slot ago.
-    grad_in = ring.send(grad_rounds, slot, me,
-                        lambda route, g: g[jnp.where(route == 2, 1 - parity, parity)], c.grads_3xQ)
+
+    def message(m, used, grads):
+      """Sent on: a ring's stage buffer or chain partial sum of 2 slots ago, an owner's version
+      and model state (never in the slot of its update: `_rounds`), worker N-1's tail-chain
+      sum of 1 slot ago."""
+      stage = jnp.where(m == 2, own(c, ev["send_version"]), used[parity])
+      grad = grads[jnp.where(m == 4, 1 - parity, parity)]
+      return jnp.where(m <= 2, jnp.concatenate([stage, ring.vary(c.model_state_M)]), grad)
+    out = ring.send(rounds, slot, me, message, c.used_2xP, c.grads_3xQ)
+    pick = lambda kind: functools.reduce(
+        lambda acc, r: jnp.where(jnp.asarray(rounds.received[kind])[slot, me] == r, out[r], acc),
+        range(1, len(out)), out[0])
+    # Picked where used: a conditional's operand would be written out in full every slot.
     c = jax.lax.cond(ev["update"] == 1,
-                     lambda c: _update(ring, tx, c, grad_in, ev["update_step"]), lambda c: c, c)
-    # The ring sends on the buffer used 2 slots ago, an owner (route 2) a version and its state.
-    param_in = ring.send(param_rounds, slot, me, lambda route, u: jnp.concatenate([
-        jnp.where(route == 2, own(ev["send_version"]), u[parity]),
-        ring.vary(c.model_state_M)]), c.used_2xP)
+                     lambda c: _update(ring, tx, c, pick("grad"), ev["update_step"]),
+                     lambda c: c, c)
+    param_in = pick("param")
     local = ev["source"] == plan_lib.LOCAL
-    buf = jnp.where(local, own(ev["version"]), param_in[:size_p])
+    buf = jnp.where(local, own(c, ev["version"]), param_in[:size_p])
     first_state = jnp.where(local, c.model_state_M, param_in[size_p:])
     state = jnp.concatenate([first_state, jnp.zeros((size_m,), jnp.float32)])
     if size_m:
       state = jnp.where(ev["state_ring"] == 1, ring.route(
           ("state", "ring"), slot, lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
-    h, cot, stash, stash_m, next_m, partial, msg, loss = jax.lax.switch(
-        ev["kind"], branches, (c, ev, buf, state, grad_in, me, x, labels))
+    h, cot, stash, stash_m, next_m, grads, msg, loss = jax.lax.switch(
+        ev["kind"], branches, (c, ev, buf, state, me, x, labels))
+    partial = grads + jnp.where(ev["grad_chain"] == 1, pick("grad"), 0.0)
     # The owner's own chain ends here (row 2) until its update; no worker reads that row's queue.
     grads_row = jnp.where(ev["grad_end"] == 1, 2, parity)
     return c._replace(
