@@ -10,8 +10,11 @@ model state (rows of ``[N, ...]`` state arrays are in owner order).
 from slot ``2Jt + 2i``: the forward of stage ``j`` at phase ``j``, its backward
 at phase ``2J-1-j`` (DESIGN.md section 1), with no flush between steps. One
 call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
-`plan.zero_plan`; every message is a ``lax.ppermute`` whose pairs the plan
-fixes per slot (a ``lax.switch`` over the distinct pair lists):
+`plan.zero_plan`. A slot's stage and gradient messages travel in as few
+``lax.ppermute`` rounds as its busiest worker allows (`_rounds`: an edge
+colouring per slot; a ``lax.switch`` over each round's distinct pair lists),
+since every collective-permute costs every device a barrier and a buffer
+written, whether or not it receives:
 
 - The buffer a worker uses for stage ``j`` goes on to worker ``i+1``, which
   needs the same stage and version 2 slots later (the ring). The owner uses
@@ -185,8 +188,8 @@ class _Carry(NamedTuple):
   opt_state: Any
   model_state_M: Any
   used_2xP: Any      # Stage buffers used, to send on along the ring.
-  grads_3xQ: Any     # Rows 0, 1: the queue of gradient partial sums, to send on along a chain;
-                     # row 2: the owned stage's chain that ends here (its next model state after).
+  grads_3xQ: Any     # Rows 0, 1: gradient partial sums (and next model states), to send on
+                     # along a chain; row 2: the owned stage's chain that ends here.
   state_2x2M: Any    # Forward model-state messages: the state read, the sum of new ones.
   h_A: Any
   cot_A: Any
@@ -197,6 +200,7 @@ class _Carry(NamedTuple):
 
 
 MESSAGES = (("param", "ring"), ("param", "owner"), ("grad", "ring"), ("grad", "final"))
+PARAM_RING, PARAM_OWNER, GRAD_RING, GRAD_FINAL = 1, 2, 3, 4  # 1 + their index in MESSAGES.
 
 
 class _Rounds(NamedTuple):
@@ -233,8 +237,8 @@ def _edge_colours(edges: list[tuple[int, int]]) -> list[int]:
     degree[v] += 1
   at = defaultdict(dict)  # node -> {colour: edge}
   colour = [0] * len(edges)
+  free = lambda node: next(c for c in range(max(degree.values())) if c not in at[node])
   for e, (u, v) in enumerate(ends):
-    free = lambda node: next(c for c in range(max(degree.values())) if c not in at[node])
     a, b = free(u), free(v)
     if a in at[v]:  # Swap a and b along the path from v alternating a, b: it cannot reach u.
       path, node, c = [], v, a
@@ -305,30 +309,37 @@ class _Ring(NamedTuple):
     """The rounds of messages at ``slot``: the buffer each round delivered here (zeros if none).
 
     ``make(message, *operands)`` is the buffer a worker sends (``message`` as in ``sent``).
+    Each round waits for the one before (`_switch_permute`).
     """
-    shape = jax.eval_shape(make, jnp.int32(1), *operands)
     out = []
     for r, pair_lists in enumerate(rounds.pair_lists):
       message = jnp.asarray(rounds.sent[r])[slot, me]
-
-      def branch(pairs):
-        if not pairs:
-          return lambda *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
-        return lambda *ops: self.vary(jax.lax.ppermute(make(message, *ops), AXIS, pairs))
-      out.append(jax.lax.switch(jnp.asarray(rounds.index[r])[slot],
-                                [branch(p) for p in pair_lists], *operands))
+      out.append(self._switch_permute(
+          jnp.asarray(rounds.index[r])[slot], pair_lists, out[-1][0] if out else None,
+          lambda *ops, message=message: make(message, *ops), *operands))
     return out
 
-  def route(self, name, slot, make, *operands):
+  def route(self, name, slot, after, make, *operands):
     """The messages ``name`` of ``plan.ROUTES`` at ``slot``; ``make(*operands)`` is the buffer sent."""
     index, pair_lists = self.plan.routes(*name)
+    return self._switch_permute(jnp.asarray(index)[slot], pair_lists, after, make, *operands)
+
+  def _switch_permute(self, index, pair_lists, after, make, *operands):
+    """``ppermute(make(*operands))`` over ``pair_lists[index]``, zeros for an empty list.
+
+    XLA on CPU may start two conditionals in either order on each device, and
+    devices that order two collectives differently deadlock: the buffer sent
+    adds ``0 * after`` (a float of the previous collective's result, or None),
+    a data dependence that fixes the order (``0 * nan`` is not 0, so XLA keeps it).
+    """
     shape = jax.eval_shape(make, *operands)
 
-    def send(pairs):
+    def branch(pairs):
       if not pairs:
-        return lambda *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
-      return lambda *ops: self.vary(jax.lax.ppermute(make(*ops), AXIS, pairs))
-    return jax.lax.switch(jnp.asarray(index)[slot], [send(p) for p in pair_lists], *operands)
+        return lambda after, *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
+      return lambda after, *ops: self.vary(jax.lax.ppermute(
+          make(*ops) if after is None else make(*ops) + 0 * after, AXIS, pairs))
+    return jax.lax.switch(index, [branch(p) for p in pair_lists], after, *operands)
 
 
 def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
@@ -376,8 +387,8 @@ def _branches(staged: StagedModel, ring: _Ring):
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
     return ring.vary((h, c.cot_A, c.stash_JxA.at[j].set(c.h_A), c.stash_JxM.at[j].set(read),
-                      c.next_JxM.at[j].set(mean), jnp.zeros(c.grads_3xQ.shape[1:], jnp.float32), msg,
-                      loss))
+                      c.next_JxM.at[j].set(mean), jnp.zeros(c.grads_3xQ.shape[1:], jnp.float32),
+                      msg, loss))
 
   def backward(ops):
     c, ev, buf, _, me, x, labels = ops
@@ -401,7 +412,6 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
   tables["send_version"] = plan.send_version()
   branches = _branches(staged, ring)
   size_p, size_m = ring.size_p, ring.size_m
-
   rounds = _rounds(plan)
 
   def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB):
@@ -414,9 +424,10 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
       """Sent on: a ring's stage buffer or chain partial sum of 2 slots ago, an owner's version
       and model state (never in the slot of its update: `_rounds`), worker N-1's tail-chain
       sum of 1 slot ago."""
-      stage = jnp.where(m == 2, own(c, ev["send_version"]), used[parity])
-      grad = grads[jnp.where(m == 4, 1 - parity, parity)]
-      return jnp.where(m <= 2, jnp.concatenate([stage, ring.vary(c.model_state_M)]), grad)
+      stage = jnp.where(m == PARAM_OWNER, own(c, ev["send_version"]), used[parity])
+      grad = grads[jnp.where(m == GRAD_FINAL, 1 - parity, parity)]
+      return jnp.where(m <= PARAM_OWNER, jnp.concatenate([stage, ring.vary(c.model_state_M)]),
+                       grad)
     out = ring.send(rounds, slot, me, message, c.used_2xP, c.grads_3xQ)
     pick = lambda kind: functools.reduce(
         lambda acc, r: jnp.where(jnp.asarray(rounds.received[kind])[slot, me] == r, out[r], acc),
@@ -431,8 +442,9 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
     first_state = jnp.where(local, c.model_state_M, param_in[size_p:])
     state = jnp.concatenate([first_state, jnp.zeros((size_m,), jnp.float32)])
     if size_m:
+      after = c.stats_3xK[0, 0]  # Written by the update's conditional: the state ring goes after.
       state = jnp.where(ev["state_ring"] == 1, ring.route(
-          ("state", "ring"), slot, lambda m: m[slot % 2], c.state_2x2M), state)
+          ("state", "ring"), slot, after, lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
     h, cot, stash, stash_m, next_m, grads, msg, loss = jax.lax.switch(
         ev["kind"], branches, (c, ev, buf, state, me, x, labels))
