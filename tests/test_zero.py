@@ -102,7 +102,7 @@ def test_replicated_ring_adds_one_all_reduce_over_replicas():
 def test_messages_share_rounds_one_collective_permute_per_round_and_pair_list():
   """Stage and gradient messages share ppermute rounds: the loop body holds one
   collective-permute per round and pair list (the replicated ring's fixture)."""
-  rounds = zero._rounds(plan.zero_plan(schedule.delay_matrix("cdp-v2", 4, 4), 2))
+  rounds = zero.message_rounds(plan.zero_plan(schedule.delay_matrix("cdp-v2", 4, 4), 2))
   found = [c for c in compiled.collectives(hlo_for(4, "cdp-v2", 2, replicas=2))
            if c.kind == "collective-permute"]
   assert len(found) == sum(len(lists) - 1 for lists in rounds.pair_lists) == 20
@@ -113,7 +113,7 @@ def test_rounds_deliver_every_message_in_the_fewest_collectives(num_workers):
   """Per slot, as many rounds as the busiest worker's messages (Koenig's bound), each message
   in the round its receiver reads; fewer collective-permutes than one per route."""
   zero_plan = plan.zero_plan(schedule.delay_matrix("cdp-v2", num_workers, num_workers), 3)
-  rounds = zero._rounds(zero_plan)
+  rounds = zero.message_rounds(zero_plan)
   per_route = 0
   for slot in range(zero_plan.num_slots):
     sent = [t for t in zero_plan.transfers if t.slot == slot and t.kind != "state"]

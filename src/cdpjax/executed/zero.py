@@ -11,7 +11,7 @@ from slot ``2Jt + 2i``: the forward of stage ``j`` at phase ``j``, its backward
 at phase ``2J-1-j`` (DESIGN.md section 1), with no flush between steps. One
 call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
 `plan.zero_plan`. A slot's stage and gradient messages travel in as few
-``lax.ppermute`` rounds as its busiest worker allows (`_rounds`: an edge
+``lax.ppermute`` rounds as its busiest worker allows (`message_rounds`: an edge
 colouring per slot; a ``lax.switch`` over each round's distinct pair lists),
 since every collective-permute costs every device a barrier and a buffer
 written, whether or not it receives:
@@ -203,7 +203,7 @@ MESSAGES = (("param", "ring"), ("param", "owner"), ("grad", "ring"), ("grad", "f
 PARAM_RING, PARAM_OWNER, GRAD_RING, GRAD_FINAL = 1, 2, 3, 4  # 1 + their index in MESSAGES.
 
 
-class _Rounds(NamedTuple):
+class MessageRounds(NamedTuple):
   """The stage and gradient messages of a call as ``ppermute`` rounds.
 
   Per slot, the messages of a round have distinct sources and targets, so one
@@ -259,7 +259,7 @@ def _edge_colours(edges: list[tuple[int, int]]) -> list[int]:
   return colour
 
 
-def _rounds(plan: plan_lib.ZeroPlan) -> _Rounds:
+def message_rounds(plan: plan_lib.ZeroPlan) -> MessageRounds:
   """The fewest rounds per slot for the call's stage and gradient messages.
 
   One collective-permute per round instead of one per route: each runs on every
@@ -289,7 +289,7 @@ def _rounds(plan: plan_lib.ZeroPlan) -> _Rounds:
       assert not (t.route == "owner" and plan.update[slot, t.src]), t
       sent[r, slot, t.src] = 1 + MESSAGES.index((t.kind, t.route))
       received[t.kind][slot, t.dst] = r
-  return _Rounds(index, [[list(p) for p in lists] for lists in pair_lists], sent, received)
+  return MessageRounds(index, [[list(p) for p in lists] for lists in pair_lists], sent, received)
 
 
 class _Ring(NamedTuple):
@@ -305,7 +305,7 @@ class _Ring(NamedTuple):
     """Typed for the carry: the owned stage is the same on every replica, the rest is not."""
     return vary(tree, (AXIS,) if state else self.axes)
 
-  def send(self, rounds: _Rounds, slot, me, make, *operands):
+  def send(self, rounds: MessageRounds, slot, me, make, *operands):
     """The rounds of messages at ``slot``: the buffer each round delivered here (zeros if none).
 
     ``make(message, *operands)`` is the buffer a worker sends (``message`` as in ``sent``).
@@ -412,7 +412,7 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
   tables["send_version"] = plan.send_version()
   branches = _branches(staged, ring)
   size_p, size_m = ring.size_p, ring.size_m
-  rounds = _rounds(plan)
+  rounds = message_rounds(plan)
 
   def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
@@ -422,7 +422,7 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
 
     def message(m, used, grads):
       """Sent on: a ring's stage buffer or chain partial sum of 2 slots ago, an owner's version
-      and model state (never in the slot of its update: `_rounds`), worker N-1's tail-chain
+      and model state (never in the slot of its update: `message_rounds`), worker N-1's tail-chain
       sum of 1 slot ago."""
       stage = jnp.where(m == PARAM_OWNER, own(c, ev["send_version"]), used[parity])
       grad = grads[jnp.where(m == GRAD_FINAL, 1 - parity, parity)]
