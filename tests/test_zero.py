@@ -103,9 +103,10 @@ def test_messages_share_rounds_one_collective_permute_per_round_and_pair_list():
   """Stage and gradient messages share ppermute rounds: the loop body holds one
   collective-permute per round and pair list (the replicated ring's fixture)."""
   rounds = zero.message_rounds(plan.zero_plan(schedule.delay_matrix("cdp-v2", 4, 4), 2))
-  found = [c for c in compiled.collectives(hlo_for(4, "cdp-v2", 2, replicas=2))
-           if c.kind == "collective-permute"]
+  hlo = hlo_for(4, "cdp-v2", 2, replicas=2)
+  found = [c for c in compiled.collectives(hlo) if c.kind == "collective-permute"]
   assert len(found) == sum(len(lists) - 1 for lists in rounds.pair_lists) == 20
+  assert "is-finite(" in hlo  # Round 1 waits for round 0 (devices must not order them apart).
 
 
 @pytest.mark.parametrize("num_workers", [3, 4, 8])

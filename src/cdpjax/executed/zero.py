@@ -329,8 +329,9 @@ class _Ring(NamedTuple):
 
     XLA on CPU may start two conditionals in either order on each device, and
     devices that order two collectives differently deadlock: the buffer sent
-    adds ``0 * after`` (a float of the previous collective's result, or None),
-    a data dependence that fixes the order (``0 * nan`` is not 0, so XLA keeps it).
+    adds 0 times a flag of ``after`` (a float of the previous collective's
+    result, or None), a data dependence that fixes the order (XLA does not fold
+    ``0 * x`` for floats), and exactly 0 even where ``after`` is not finite.
     """
     shape = jax.eval_shape(make, *operands)
 
@@ -338,7 +339,8 @@ class _Ring(NamedTuple):
       if not pairs:
         return lambda after, *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
       return lambda after, *ops: self.vary(jax.lax.ppermute(
-          make(*ops) if after is None else make(*ops) + 0 * after, AXIS, pairs))
+          make(*ops) if after is None
+          else make(*ops) + 0 * jnp.isfinite(after).astype(shape.dtype), AXIS, pairs))
     return jax.lax.switch(index, [branch(p) for p in pair_lists], after, *operands)
 
 
