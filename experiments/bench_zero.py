@@ -145,8 +145,12 @@ def program_figures(executable, state, staged, delays, num_steps, name) -> dict:
   stage_bytes = 4 * staged.param_size
   if name == "cyclic":
     sent = plan_bytes_sent_per_step(delays, num_steps, stage_bytes)
+    # Collectives run per step: the ring's ppermute rounds (the MLP has no model state).
+    runs = (zero.message_rounds(plan.zero_plan(delays, num_steps)).index > 0).sum() / num_steps
   else:  # One step in the program (zero3's scan body, or the engine's step).
     sent = bytes_sent_per_device(hlo, num_workers)
+    runs = sum(v["count"] for v in row["collectives"].values())
+  row["collectives_per_step"] = float(runs)
   row["bytes_per_device_per_step"] = int(sent.max())  # The busiest device.
   row["bytes_per_device_per_step_mean"] = float(sent.mean())
   if name == "engine":  # All J all-reduces run together after the backward.
@@ -205,7 +209,8 @@ def main(argv=None):
   parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
   parser.add_argument("--width", type=int, default=128)
   parser.add_argument("--per-worker", type=int, default=32)
-  parser.add_argument("--scan_steps", type=int, default=8, help="K steps per call (ZeRO)")
+  parser.add_argument("--scan_steps", type=int, default=16,
+                      help="K steps per call (ZeRO), the trainer's default")
   parser.add_argument("--steps", type=int, default=10, help="timed calls (of K steps each)")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--compile_sweep", default="2,4,8,16", help="comma-separated J")
@@ -254,20 +259,24 @@ def _goals(by_name, num_workers) -> dict:
       "model_states_vs_engine_times_n": (cyc["memory"]["model_states"] * num_workers
                                          / eng["memory"]["model_states"]),
       "max_slot_bytes_vs_zero3": cyc["max_slot_bytes"] / z3["max_slot_bytes"],
+      "collectives_per_step_vs_zero3": cyc["collectives_per_step"] / z3["collectives_per_step"],
   }
 
 
 def _print_tables(rows, sweep, goals) -> None:
   print(f"{'N':>2} {'schedule':>8} {'K':>2} {'params':>9} {'optim':>9} {'temp':>9} "
-        f"{'collectives':<34} {'sent/dev':>9} {'max slot':>9} {'step ms':>8} {'ratio':>5}")
+        f"{'collectives':<34} {'runs':>5} {'sent/dev':>9} {'max slot':>9} {'step ms':>8} "
+        f"{'ratio':>5}")
   for r in rows:
     kinds = ", ".join(f"{v['count']} {k}" for k, v in r["collectives"].items())
     m = r["memory"]
     print(f"{r['num_workers']:>2} {r['schedule']:>8} {r['steps_per_call']:>2} "
           f"{m['parameters']:>9} {m['optimizer']:>9} {m['temporaries']:>9} {kinds:<34} "
-          f"{r['bytes_per_device_per_step']:>9} {r['max_slot_bytes']:>9} "
+          f"{r['collectives_per_step']:>5.1f} {r['bytes_per_device_per_step']:>9} "
+          f"{r['max_slot_bytes']:>9} "
           f"{1e3 * r['step_time_s']:>8.2f} {r['step_time_ratio']:>5.2f}")
-  print("ratio: per-step time over the engine's; K: steps per compiled call.")
+  print("ratio: per-step time over the engine's; K: steps per compiled call; runs: collectives "
+        "run per step (cyclic: its ppermute rounds, from the plan).")
   print(f"{'J':>2} {'schedule':>8} {'lower s':>8} {'compile s':>9} {'StableHLO MB':>12} "
         f"{'HLO MB':>7}")
   for r in sweep:

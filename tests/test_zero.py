@@ -99,6 +99,36 @@ def test_replicated_ring_adds_one_all_reduce_over_replicas():
   assert {c.kind for c in found} == {"all-reduce", "collective-permute"}
 
 
+def test_messages_share_rounds_one_collective_permute_per_round_and_pair_list():
+  """Stage and gradient messages share ppermute rounds: the loop body holds one
+  collective-permute per round and pair list (the replicated ring's fixture)."""
+  rounds = zero.message_rounds(plan.zero_plan(schedule.delay_matrix("cdp-v2", 4, 4), 2))
+  hlo = hlo_for(4, "cdp-v2", 2, replicas=2)
+  found = [c for c in compiled.collectives(hlo) if c.kind == "collective-permute"]
+  assert len(found) == sum(len(lists) - 1 for lists in rounds.pair_lists) == 20
+  assert "is-finite(" in hlo  # Round 1 waits for round 0 (devices must not order them apart).
+
+
+@pytest.mark.parametrize("num_workers", [3, 4, 8])
+def test_rounds_deliver_every_message_in_the_fewest_collectives(num_workers):
+  """Per slot, as many rounds as the busiest worker's messages (Koenig's bound), each message
+  in the round its receiver reads; fewer collective-permutes than one per route."""
+  zero_plan = plan.zero_plan(schedule.delay_matrix("cdp-v2", num_workers, num_workers), 3)
+  rounds = zero.message_rounds(zero_plan)
+  per_route = 0
+  for slot in range(zero_plan.num_slots):
+    sent = [t for t in zero_plan.transfers if t.slot == slot and t.kind != "state"]
+    degree = max([*Counter(t.src for t in sent).values(),
+                  *Counter(t.dst for t in sent).values()], default=0)
+    assert (rounds.index[:, slot] > 0).sum() == degree
+    per_route += len({(t.kind, t.route) for t in sent})
+    for t in sent:
+      r = rounds.received[t.kind][slot, t.dst]
+      assert (t.src, t.dst) in rounds.pair_lists[r][rounds.index[r, slot]]
+      assert zero.MESSAGES[rounds.sent[r, slot, t.src] - 1] == (t.kind, t.route)
+  assert (rounds.index > 0).sum() < 0.8 * per_route
+
+
 @pytest.mark.parametrize("num_workers", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
 def test_plan_is_the_timeline_without_flush(rule, num_workers):

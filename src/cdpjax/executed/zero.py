@@ -10,8 +10,11 @@ model state (rows of ``[N, ...]`` state arrays are in owner order).
 from slot ``2Jt + 2i``: the forward of stage ``j`` at phase ``j``, its backward
 at phase ``2J-1-j`` (DESIGN.md section 1), with no flush between steps. One
 call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
-`plan.zero_plan`; every message is a ``lax.ppermute`` whose pairs the plan
-fixes per slot (a ``lax.switch`` over the distinct pair lists):
+`plan.zero_plan`. A slot's stage and gradient messages travel in as few
+``lax.ppermute`` rounds as its busiest worker allows (`message_rounds`: an edge
+colouring per slot; a ``lax.switch`` over each round's distinct pair lists),
+since every collective-permute costs every device a barrier and a buffer
+written, whether or not it receives:
 
 - The buffer a worker uses for stage ``j`` goes on to worker ``i+1``, which
   needs the same stage and version 2 slots later (the ring). The owner uses
@@ -53,6 +56,8 @@ such as ``clip_by_global_norm``, would need an all-reduce.
 """
 from __future__ import annotations
 
+import functools
+from collections import defaultdict
 from typing import Any, NamedTuple
 
 import jax
@@ -182,9 +187,9 @@ class _Carry(NamedTuple):
   head: Any
   opt_state: Any
   model_state_M: Any
-  acc_Q: Any         # The owned stage's gradient sum ([P]), then its next model state ([M]).
   used_2xP: Any      # Stage buffers used, to send on along the ring.
-  partial_2xQ: Any   # Gradient partial sums, to send on along a chain.
+  grads_3xQ: Any     # Rows 0, 1: gradient partial sums (and next model states), to send on
+                     # along a chain; row 2: the owned stage's chain that ends here.
   state_2x2M: Any    # Forward model-state messages: the state read, the sum of new ones.
   h_A: Any
   cot_A: Any
@@ -192,6 +197,99 @@ class _Carry(NamedTuple):
   stash_JxM: Any     # The model state each stage's forward read.
   next_JxM: Any      # Worker N-1: each stage's next model state, for the final gradient.
   stats_3xK: Any     # Per step: the loss, the owned stage's squared gradient and parameter norms.
+
+
+MESSAGES = (("param", "ring"), ("param", "owner"), ("grad", "ring"), ("grad", "final"))
+PARAM_RING, PARAM_OWNER, GRAD_RING, GRAD_FINAL = 1, 2, 3, 4  # 1 + their index in MESSAGES.
+
+
+class MessageRounds(NamedTuple):
+  """The stage and gradient messages of a call as ``ppermute`` rounds.
+
+  Per slot, the messages of a round have distinct sources and targets, so one
+  collective-permute carries them; a stage buffer and a gradient share a
+  round where their pairs allow (both are ``Q = P + M`` elements).
+
+  Attributes:
+    index: ``[R, S]``, which of ``pair_lists[r]`` round ``r`` uses at each slot (0: none).
+    pair_lists: per round, the distinct pair lists; list 0 is empty.
+    sent: ``[R, S, N]``, the message (1 + its index in ``MESSAGES``) a worker sends in a
+      round, 0 for none.
+    received: ``{kind: [S, N]}``, the round in which a worker receives its message of
+      ``kind`` (0 where it receives none).
+  """
+  index: np.ndarray
+  pair_lists: list
+  sent: np.ndarray
+  received: dict
+
+
+def _edge_colours(edges: list[tuple[int, int]]) -> list[int]:
+  """Colours of the edges ``(src, dst)`` of a bipartite multigraph, as many as its largest degree.
+
+  Koenig's theorem, by the textbook alternating-path swap (a few edges per slot:
+  no library needed).
+  """
+  ends = [(("src", s), ("dst", d)) for s, d in edges]
+  degree = defaultdict(int)
+  for u, v in ends:
+    degree[u] += 1
+    degree[v] += 1
+  at = defaultdict(dict)  # node -> {colour: edge}
+  colour = [0] * len(edges)
+  free = lambda node: next(c for c in range(max(degree.values())) if c not in at[node])
+  for e, (u, v) in enumerate(ends):
+    a, b = free(u), free(v)
+    if a in at[v]:  # Swap a and b along the path from v alternating a, b: it cannot reach u.
+      path, node, c = [], v, a
+      while c in at[node]:
+        f = at[node][c]
+        path.append(f)
+        node = ends[f][0] if node == ends[f][1] else ends[f][1]
+        c = b if c == a else a
+      for f in path:
+        for n in ends[f]:
+          del at[n][colour[f]]
+      for f in path:
+        colour[f] = b if colour[f] == a else a
+        for n in ends[f]:
+          at[n][colour[f]] = f
+    colour[e] = a
+    at[u][a] = at[v][a] = e
+  return colour
+
+
+def message_rounds(plan: plan_lib.ZeroPlan) -> MessageRounds:
+  """The fewest rounds per slot for the call's stage and gradient messages.
+
+  One collective-permute per round instead of one per route: each runs on every
+  device, and a device that receives nothing still writes a buffer of zeros.
+  """
+  num_slots, num_workers = plan.kind.shape
+  by_slot = defaultdict(list)
+  for t in plan.transfers:
+    if (t.kind, t.route) in MESSAGES:
+      by_slot[t.slot].append(t)
+  colours = {slot: _edge_colours([(t.src, t.dst) for t in ts]) for slot, ts in by_slot.items()}
+  num_rounds = 1 + max((max(c) for c in colours.values()), default=0)
+  index = np.zeros((num_rounds, num_slots), np.int32)
+  sent = np.zeros((num_rounds, num_slots, num_workers), np.int32)
+  received = {k: np.zeros((num_slots, num_workers), np.int32) for k in ("param", "grad")}
+  pair_lists = [[()] for _ in range(num_rounds)]
+  for slot, transfers in by_slot.items():
+    for r in range(num_rounds):
+      pairs = tuple(sorted((t.src, t.dst) for t, c in zip(transfers, colours[slot]) if c == r))
+      if not pairs:
+        continue
+      if pairs not in pair_lists[r]:
+        pair_lists[r].append(pairs)
+      index[r, slot] = pair_lists[r].index(pairs)
+    for t, r in zip(transfers, colours[slot]):
+      # Messages go out before the slot's update: an owner sends no version as it updates.
+      assert not (t.route == "owner" and plan.update[slot, t.src]), t
+      sent[r, slot, t.src] = 1 + MESSAGES.index((t.kind, t.route))
+      received[t.kind][slot, t.dst] = r
+  return MessageRounds(index, [[list(p) for p in lists] for lists in pair_lists], sent, received)
 
 
 class _Ring(NamedTuple):
@@ -207,21 +305,48 @@ class _Ring(NamedTuple):
     """Typed for the carry: the owned stage is the same on every replica, the rest is not."""
     return vary(tree, (AXIS,) if state else self.axes)
 
-  def route(self, name, slot, make, *operands):
+  def send(self, rounds: MessageRounds, slot, me, make, *operands):
+    """The rounds of messages at ``slot``: the buffer each round delivered here (zeros if none).
+
+    ``make(message, *operands)`` is the buffer a worker sends (``message`` as in ``sent``).
+    Each round waits for the one before (`_switch_permute`).
+    """
+    out = []
+    for r, pair_lists in enumerate(rounds.pair_lists):
+      message = jnp.asarray(rounds.sent[r])[slot, me]
+      out.append(self._switch_permute(
+          jnp.asarray(rounds.index[r])[slot], pair_lists, out[-1][0] if out else None,
+          lambda *ops, message=message: make(message, *ops), *operands))
+    return out
+
+  def route(self, name, slot, after, make, *operands):
     """The messages ``name`` of ``plan.ROUTES`` at ``slot``; ``make(*operands)`` is the buffer sent."""
     index, pair_lists = self.plan.routes(*name)
+    return self._switch_permute(jnp.asarray(index)[slot], pair_lists, after, make, *operands)
+
+  def _switch_permute(self, index, pair_lists, after, make, *operands):
+    """``ppermute(make(*operands))`` over ``pair_lists[index]``, zeros for an empty list.
+
+    XLA on CPU may start two conditionals in either order on each device, and
+    devices that order two collectives differently deadlock: the buffer sent
+    adds 0 times a flag of ``after`` (a float of the previous collective's
+    result, or None), a data dependence that fixes the order (XLA does not fold
+    ``0 * x`` for floats), and exactly 0 even where ``after`` is not finite.
+    """
     shape = jax.eval_shape(make, *operands)
 
-    def send(pairs):
+    def branch(pairs):
       if not pairs:
-        return lambda *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
-      return lambda *ops: self.vary(jax.lax.ppermute(make(*ops), AXIS, pairs))
-    return jax.lax.switch(jnp.asarray(index)[slot], [send(p) for p in pair_lists], *operands)
+        return lambda after, *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
+      return lambda after, *ops: self.vary(jax.lax.ppermute(
+          make(*ops) if after is None
+          else make(*ops) + 0 * jnp.isfinite(after).astype(shape.dtype), AXIS, pairs))
+    return jax.lax.switch(index, [branch(p) for p in pair_lists], after, *operands)
 
 
 def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
   """The owner's optimizer step on its stage, with the chains' sum (and the replicas')."""
-  acc = carry.acc_Q + final_Q
+  acc = carry.grads_3xQ[2] + final_Q
   if ring.num_replicas > 1:
     acc = jax.lax.psum(acc, REPLICA)  # The one all-reduce of this stage and step.
   grads = acc[:ring.size_p] / (ring.num_workers * ring.num_replicas)
@@ -236,25 +361,26 @@ def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
       versions_VxP=carry.versions_VxP.at[head].set(params), head=head,
       opt_state=ring.vary(opt_state, state=True),
       model_state_M=ring.vary(acc[ring.size_p:] / ring.num_replicas, state=True),
-      acc_Q=ring.vary(jnp.zeros_like(acc)), stats_3xK=stats)
+      stats_3xK=stats)
 
 
 def _branches(staged: StagedModel, ring: _Ring):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
-  Operands ``(carry, event, buf_P, state_2M, chain_Q, me, x, labels)``; results
-  ``(h, cot, stash_JxA, stash_JxM, next_JxM, partial_Q, state_2M, loss)``.
+  Operands ``(carry, event, buf_P, state_2M, me, x, labels)``; results
+  ``(h, cot, stash_JxA, stash_JxM, next_JxM, grads_Q, state_2M, loss)`` (zero gradients but
+  in a backward).
   """
   size_m, last = ring.size_m, ring.num_workers - 1
 
   def idle(ops):
     c = ops[0]
-    zeros_q = jnp.zeros(c.acc_Q.shape, jnp.float32)
+    zeros_q = jnp.zeros(c.grads_3xQ.shape[1:], jnp.float32)
     return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, zeros_q,
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   def forward(ops):
-    c, ev, buf, state, _, me, x, labels = ops
+    c, ev, buf, state, me, x, labels = ops
     j, read = ev["stage"], state[:size_m]
     h, loss, new_state = staged.apply(j, buf, read, c.h_A, x, labels)
     total = state[size_m:] + new_state
@@ -263,16 +389,16 @@ def _branches(staged: StagedModel, ring: _Ring):
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
     return ring.vary((h, c.cot_A, c.stash_JxA.at[j].set(c.h_A), c.stash_JxM.at[j].set(read),
-                      c.next_JxM.at[j].set(mean), jnp.zeros(c.acc_Q.shape, jnp.float32), msg,
-                      loss))
+                      c.next_JxM.at[j].set(mean), jnp.zeros(c.grads_3xQ.shape[1:], jnp.float32),
+                      msg, loss))
 
   def backward(ops):
-    c, ev, buf, _, chain, me, x, labels = ops
+    c, ev, buf, _, me, x, labels = ops
     j = ev["stage"]
     grads, cot = staged.vjp(j, buf, c.stash_JxM[j], c.stash_JxA[j], x, labels, c.cot_A)
     next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
-    partial = jnp.concatenate([grads, next_state]) + jnp.where(ev["grad_chain"] == 1, chain, 0.0)
-    return ring.vary((c.h_A, cot, c.stash_JxA, c.stash_JxM, c.next_JxM, partial,
+    return ring.vary((c.h_A, cot, c.stash_JxA, c.stash_JxM, c.next_JxM,
+                      jnp.concatenate([grads, next_state]),
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   return [idle, forward, backward]
@@ -288,35 +414,48 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
   tables["send_version"] = plan.send_version()
   branches = _branches(staged, ring)
   size_p, size_m = ring.size_p, ring.size_m
+  rounds = message_rounds(plan)
 
   def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
     num_versions = c.versions_VxP.shape[0]
-    own = lambda versions, head, v: versions[(head + v) % num_versions]
-    final = ring.route(("grad", "final"), slot, lambda p: p[(slot + 1) % 2], c.partial_2xQ)
-    c = jax.lax.cond(ev["update"] == 1, lambda c: _update(ring, tx, c, final, ev["update_step"]),
+    own = lambda c, v: ring.vary(c.versions_VxP[(c.head + v) % num_versions])
+    parity = slot % 2
+
+    def message(m, used, grads):
+      """Sent on: a ring's stage buffer or chain partial sum of 2 slots ago, an owner's version
+      and model state (never in the slot of its update: `message_rounds`), worker N-1's tail-chain
+      sum of 1 slot ago."""
+      stage = jnp.where(m == PARAM_OWNER, own(c, ev["send_version"]), used[parity])
+      grad = grads[jnp.where(m == GRAD_FINAL, 1 - parity, parity)]
+      return jnp.where(m <= PARAM_OWNER, jnp.concatenate([stage, ring.vary(c.model_state_M)]),
+                       grad)
+    out = ring.send(rounds, slot, me, message, c.used_2xP, c.grads_3xQ)
+    pick = lambda kind: functools.reduce(
+        lambda acc, r: jnp.where(jnp.asarray(rounds.received[kind])[slot, me] == r, out[r], acc),
+        range(1, len(out)), out[0])
+    # Picked where used: a conditional's operand would be written out in full every slot.
+    c = jax.lax.cond(ev["update"] == 1,
+                     lambda c: _update(ring, tx, c, pick("grad"), ev["update_step"]),
                      lambda c: c, c)
-    recv = ring.route(("param", "ring"), slot, lambda u: u[slot % 2], c.used_2xP)
-    from_owner = ring.route(
-        ("param", "owner"), slot,
-        lambda vs, h, v, m: jnp.concatenate([own(vs, h, v), m]),
-        c.versions_VxP, c.head, ev["send_version"], c.model_state_M)
-    chain = ring.route(("grad", "ring"), slot, lambda p: p[slot % 2], c.partial_2xQ)
-    buf = jax.lax.switch(ev["source"], [  # Indexed by LOCAL, RING, OWNER; one copy.
-        lambda: ring.vary(own(c.versions_VxP, c.head, ev["version"])), lambda: recv,
-        lambda: from_owner[:size_p]])
-    first_state = jnp.where(ev["source"] == plan_lib.LOCAL, c.model_state_M, from_owner[size_p:])
+    param_in = pick("param")
+    local = ev["source"] == plan_lib.LOCAL
+    buf = jnp.where(local, own(c, ev["version"]), param_in[:size_p])
+    first_state = jnp.where(local, c.model_state_M, param_in[size_p:])
     state = jnp.concatenate([first_state, jnp.zeros((size_m,), jnp.float32)])
     if size_m:
+      after = c.stats_3xK[0, 0]  # Written by the update's conditional: the state ring goes after.
       state = jnp.where(ev["state_ring"] == 1, ring.route(
-          ("state", "ring"), slot, lambda m: m[slot % 2], c.state_2x2M), state)
+          ("state", "ring"), slot, after, lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
-    h, cot, stash, stash_m, next_m, partial, msg, loss = jax.lax.switch(
-        ev["kind"], branches, (c, ev, buf, state, chain, me, x, labels))
+    h, cot, stash, stash_m, next_m, grads, msg, loss = jax.lax.switch(
+        ev["kind"], branches, (c, ev, buf, state, me, x, labels))
+    partial = grads + jnp.where(ev["grad_chain"] == 1, pick("grad"), 0.0)
+    # The owner's own chain ends here (row 2) until its update; no worker reads that row's queue.
+    grads_row = jnp.where(ev["grad_end"] == 1, 2, parity)
     return c._replace(
-        acc_Q=jnp.where(ev["grad_end"] == 1, c.acc_Q + partial, c.acc_Q),
-        used_2xP=c.used_2xP.at[slot % 2].set(buf), partial_2xQ=c.partial_2xQ.at[slot % 2].set(partial),
-        state_2x2M=c.state_2x2M.at[slot % 2].set(msg), h_A=h, cot_A=cot, stash_JxA=stash,
+        used_2xP=c.used_2xP.at[parity].set(buf), grads_3xQ=c.grads_3xQ.at[grads_row].set(partial),
+        state_2x2M=c.state_2x2M.at[parity].set(msg), h_A=h, cot_A=cot, stash_JxA=stash,
         stash_JxM=stash_m, next_JxM=next_m,
         stats_3xK=c.stats_3xK.at[0, ev["step"]].add(loss)), None
 
@@ -331,8 +470,8 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
         versions_VxP=ring.vary(jnp.stack([v[0] for v in state.versions]), state=True),
         head=ring.vary(jnp.zeros((), jnp.int32), state=True),
         opt_state=ring.vary(jax.tree.map(lambda a: a[0], state.opt_state), state=True),
-        model_state_M=ring.vary(model_state[0], state=True), acc_Q=zeros(size_p + size_m),
-        used_2xP=zeros(2, size_p), partial_2xQ=zeros(2, size_p + size_m),
+        model_state_M=ring.vary(model_state[0], state=True), used_2xP=zeros(2, size_p),
+        grads_3xQ=zeros(3, size_p + size_m),
         state_2x2M=zeros(2, 2 * size_m), h_A=zeros(act), cot_A=zeros(act),
         stash_JxA=zeros(ring.num_workers, act), stash_JxM=zeros(ring.num_workers, size_m),
         next_JxM=zeros(ring.num_workers, size_m), stats_3xK=zeros(3, num_steps))
