@@ -60,7 +60,7 @@ from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.plan import BWD, FWD
-from cdpjax.executed.staged import StagedModel, steps_batch, vary as _vary
+from cdpjax.executed.staged import StagedModel, after as staged_after, steps_batch, vary as _vary
 
 TIMETABLES = ("cyclic", "gpipe", "dp+mp")
 STAGE_AXIS = "stage"
@@ -314,6 +314,8 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     rest = jax.lax.cond(event.then_update, lambda acc, c: update(acc, c, event.step),
                         lambda acc, c: c, carry.acc_P, rest)
     carry = rest._replace(acc_P=carry.acc_P)
+    if tt.replica_axis:  # The update's all-reduce goes before the permute on every device.
+      send = staged_after(send, rest.param_sq_K)
     # The permute of this slot's kind; a cond keeps one copy of the slot's compute.
     recv = jax.lax.cond(first_permute(slot), *[_permute(pairs, tt.axes) for pairs in permutes],
                         send)

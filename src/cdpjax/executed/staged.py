@@ -81,6 +81,20 @@ def _varying(tree) -> frozenset:
   return frozenset().union(*(jax.typeof(x).mat.varying for x in jax.tree.leaves(tree)))
 
 
+def after(x, previous):
+  """``x``, made to depend on ``previous`` (an array; None: ``x`` as it is).
+
+  XLA on CPU may start two independent conditionals in either order on each
+  device, and devices that order two collectives differently deadlock. Adding
+  0 times a flag of ``previous`` (exactly 0 even where it is not finite; XLA
+  does not fold ``0 * x`` for floats) orders a collective on ``x`` after the
+  one that produced ``previous``.
+  """
+  if previous is None:
+    return x
+  return x + 0 * jnp.isfinite(previous).all().astype(x.dtype)
+
+
 def vary(tree, axes):
   """Marks every leaf varying over ``axes``, so branches and loop carries type-check."""
   def cast(x):

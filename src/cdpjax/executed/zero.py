@@ -70,7 +70,7 @@ from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.pipeline import StagedState, replicated
-from cdpjax.executed.staged import StagedModel, steps_batch, vary
+from cdpjax.executed.staged import StagedModel, after as staged_after, steps_batch, vary
 
 AXIS = "data"
 REPLICA = "replica"
@@ -327,20 +327,16 @@ class _Ring(NamedTuple):
   def _switch_permute(self, index, pair_lists, after, make, *operands):
     """``ppermute(make(*operands))`` over ``pair_lists[index]``, zeros for an empty list.
 
-    XLA on CPU may start two conditionals in either order on each device, and
-    devices that order two collectives differently deadlock: the buffer sent
-    adds 0 times a flag of ``after`` (a float of the previous collective's
-    result, or None), a data dependence that fixes the order (XLA does not fold
-    ``0 * x`` for floats), and exactly 0 even where ``after`` is not finite.
+    The buffer sent depends on ``after`` (the previous collective's result, or
+    None; `staged.after`), which fixes the order of the two collectives.
     """
     shape = jax.eval_shape(make, *operands)
 
     def branch(pairs):
       if not pairs:
         return lambda after, *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
-      return lambda after, *ops: self.vary(jax.lax.ppermute(
-          make(*ops) if after is None
-          else make(*ops) + 0 * jnp.isfinite(after).astype(shape.dtype), AXIS, pairs))
+      return lambda previous, *ops: self.vary(jax.lax.ppermute(
+          staged_after(make(*ops), previous), AXIS, pairs))
     return jax.lax.switch(index, [branch(p) for p in pair_lists], after, *operands)
 
 
