@@ -158,10 +158,12 @@ def executed_permutes(strategy: str, c) -> int:
   whether or not the chip is among its targets. Which list a slot uses is
   static (`cdpjax.executed.plan`): GPipe shifts every slot (``2(N+J-1)``),
   the cyclic pipeline swaps neighbours on even and odd slots, the CDP-ZeRO
-  ring sends along the plan's routes (model-state messages left out).
+  ring sends a slot's stage and gradient messages in as few rounds as its
+  busiest worker allows (`cdpjax.executed.zero.message_rounds`; model-state
+  messages left out).
   """
   from cdpjax import schedule  # pylint: disable=g-import-not-at-top
-  from cdpjax.executed import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from cdpjax.executed import plan as plan_lib, zero  # pylint: disable=g-import-not-at-top
   J, N = c.num_stages, c.num_workers
   if strategy == "gpipe":
     return 2 * (N + J - 1) if J > 1 else 0
@@ -170,9 +172,7 @@ def executed_permutes(strategy: str, c) -> int:
     return sum(bool(plan_lib.swap_pairs(J, slot % 2)) for slot in range(slots))
   if strategy == "cdp+zero":
     ring = plan_lib.zero_plan(schedule.resolve(STRATEGIES[strategy][0], N, J))
-    routes = [ring.routes(*r) for r in (("param", "ring"), ("param", "owner"), ("grad", "ring"),
-                                        ("grad", "final"))]
-    return sum(bool(lists[i]) for index, lists in routes for i in index)
+    return int((zero.message_rounds(ring).index != 0).sum())  # Pair list 0 is empty.
   raise ValueError(f"{strategy} is not an executed timetable with permutes.")
 
 
