@@ -551,9 +551,17 @@ def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, di
 
     caller_scopes = {}
 
+    def source(name: str):
+      """What ``name`` copies: the TPU compiler moves a loop-invariant table between memory
+      spaces (``copy-start``/``copy-done``, ``copy``) before the body returns it."""
+      while name in body_defs and body_defs[name][1] in ("copy-done", "copy-start", "copy",
+                                                           "bitcast"):
+        name = _operands(body_defs[name][2])[0]
+      return body_defs.get(name)
+
     def invariant(k: int, device) -> np.ndarray:
       """Element ``k`` of the loop's state, when the body passes it through unchanged."""
-      passed = body_defs.get(returned[k]) if k < len(returned) else None
+      passed = source(returned[k]) if k < len(returned) else None
       if not passed or passed[1] != "get-tuple-element" or not re.search(rf"index={k}\b",
                                                                            passed[2]):
         raise _Unknown()
