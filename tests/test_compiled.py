@@ -256,15 +256,40 @@ def test_per_step_follows_a_predicate_conditional():
 
 
 
-def test_per_step_sees_through_a_move_between_memory_spaces():
-  """The TPU compiler may return loop-invariant state (a slot table) through
-  ``copy-start``/``copy-done``: still invariant, so the second conditional's index (0, the
-  initial value) is evaluated, not bounded."""
-  moved = TPU_LOOP_HLO.replace(
+
+def _table_copied_from_a_fourth_element(start: str) -> str:
+  """Element 2 (the second conditional's index) returned as a copy of element 3, which the
+  body passes through and which starts at ``start``: how the TPU compiler keeps a table in two
+  memory spaces."""
+  return TPU_LOOP_HLO.replace("(s32[], f32[4], s32[])", "(s32[], f32[4], s32[], s32[])").replace(
       "%moved = s32[] add(%data, %one)",
-      "%start.0 = (s32[], s32[], u32[]) copy-start(%data)\n"
-      "  %moved = s32[] copy-done(%start.0)")
-  per_step = compiled.collectives_per_step(moved)
+      "%keep = s32[] get-tuple-element(%p.3), index=3\n"
+      "  %start.0 = (s32[], s32[], u32[]) copy-start(%keep)\n"
+      "  %moved = s32[] copy-done(%start.0)").replace(
+          "tuple(%next, %cp, %moved)", "tuple(%next, %cp, %moved, %keep)").replace(
+              "tuple(%start, /*index=1*/%a, %zero)", f"tuple(%start, /*index=1*/%a, %zero, {start})"
+          ).replace("%zero = s32[] constant(0)", "%zero = s32[] constant(0)\n  %c1 = s32[] constant(1)")
+
+
+@pytest.mark.parametrize("hlo", [
+    TPU_LOOP_HLO.replace("%moved = s32[] add(%data, %one)",
+                         "%start.0 = (s32[], s32[], u32[]) copy-start(%data)\n"
+                         "  %moved = s32[] copy-done(%start.0)"),
+    _table_copied_from_a_fourth_element("%zero"),
+], ids=["passed-through", "copied-from-its-twin"])
+def test_per_step_sees_through_a_move_between_memory_spaces(hlo):
+  """The TPU compiler may return loop-invariant state (a slot table) through
+  ``copy-start``/``copy-done``, or from a twin element that holds the same table: still
+  invariant, so the second conditional's index (0, the initial value) is evaluated, not
+  bounded."""
+  per_step = compiled.collectives_per_step(hlo)
   figures = lambda kind: (per_step[kind]["bytes_min"], per_step[kind]["bytes_max"])
   assert figures("all-reduce") == (6 * 16, 6 * 16)  # 2 by parity, 4 by the table.
   assert figures("all-gather") == (2 * 64, 2 * 64)
+
+
+def test_per_step_bounds_a_twin_that_starts_different():
+  """Element 2 starts at 0 and becomes element 3's 1 after a trip: not invariant, bounded."""
+  per_step = compiled.collectives_per_step(_table_copied_from_a_fourth_element("%c1"))
+  assert (per_step["all-reduce"]["bytes_min"], per_step["all-reduce"]["bytes_max"]) == (
+      2 * 16, 6 * 16)

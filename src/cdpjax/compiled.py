@@ -559,15 +559,25 @@ def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, di
         name = _operands(body_defs[name][2])[0]
       return body_defs.get(name)
 
-    def invariant(k: int, device) -> np.ndarray:
-      """Element ``k`` of the loop's state, when the body passes it through unchanged."""
+    def passed_from(k: int) -> int | None:
+      """The element of the loop's state that the body returns as element ``k``, if any."""
       passed = source(returned[k]) if k < len(returned) else None
-      if not passed or passed[1] != "get-tuple-element" or not re.search(rf"index={k}\b",
-                                                                           passed[2]):
-        raise _Unknown()
+      if not passed or passed[1] != "get-tuple-element":
+        return None
+      return int(re.search(r"index=(\d+)", passed[2]).group(1))
+
+    def invariant(k: int, device) -> np.ndarray:
+      """Element ``k`` of the loop's state, when the body passes it through unchanged, or
+      returns a copy of an element that is (the TPU compiler may keep a table twice, one
+      copy per memory space) and starts equal to it."""
       if device not in caller_scopes:
         caller_scopes[device] = _Scope(caller, _unknown, _unknown, device, {})
-      return evaluator.value(init[k], caller_scopes[device])
+      value = evaluator.value(init[k], caller_scopes[device])
+      other = passed_from(k)
+      if other is None or passed_from(other) != other or not np.array_equal(
+          value, evaluator.value(init[other], caller_scopes[device])):
+        raise _Unknown()
+      return value
 
     def trip(i: int, device) -> np.ndarray:
       element = lambda k: np.array(start + i) if k == counter else invariant(k, device)
