@@ -19,7 +19,8 @@ mesh and batch within a workload:
 - the bytes each compiled step reads and writes (``cost_analysis()``), beyond
   engine dp's, in parameter sizes: the fixed per-parameter cost of a rule
   (cdp-v2's per-worker choice of version is a select that reads two versions
-  and writes one), apart from overhead. XLA counts both branches of the
+  and writes one; see ``engine._worker_view`` for why not a switch), apart
+  from overhead. XLA counts both branches of the
   engine's norms conditional (4 parameter sizes) though a step without norms
   runs neither pass; the rest of engine dp's excess over the hand-written
   step is the per-stage bucket packing (JAX lowers a variadic ``psum`` to one
