@@ -142,6 +142,11 @@ def init_state(staged: StagedModel, params, tx: optax.GradientTransformation, *,
   return jax.device_put(state, _state_sharding(mesh, state))
 
 
+def _block(flat, index, size: int):
+  """Block ``index`` (traced) of size ``size`` of the flat vector ``flat``."""
+  return jax.lax.dynamic_slice(flat, (index * size,), (size,))
+
+
 def _permute(pairs, axes):
   """``ppermute`` over ``stage`` along ``pairs``; devices outside them receive zeros."""
   if not pairs:
@@ -151,7 +156,7 @@ def _permute(pairs, axes):
 
 class _Slot(NamedTuple):
   """The scan carry: state rows of this device and the in-flight work."""
-  versions_VxP: Any  # Ring buffer: theta_{t-v} is row (head + v) % V.
+  versions_VP: Any  # Ring buffer, flat: theta_{t-v} is block (head + v) % V of size P.
   head: Any
   opt_state: Any
   model_state_M: Any
@@ -176,15 +181,15 @@ def _branches(staged: StagedModel, axes):
     """``fn(j, theta, *operands)`` on this device's stage ``j``, with ``theta`` the event's
     version read inside the stage's branch: read outside, the row would be an operand of
     the stage switch, a stage-sized copy."""
-    versions_VxP = carry.versions_VxP
-    row = (carry.head + event.version) % versions_VxP.shape[0]
+    versions_VP = carry.versions_VP
+    row = (carry.head + event.version) % (versions_VP.shape[0] // staged.param_size)
 
     def branch(j):
-      def run(versions_VxP, row, *ops):
-        theta = _vary(jax.lax.dynamic_index_in_dim(versions_VxP, row, keepdims=False), axes)
+      def run(versions_VP, row, *ops):
+        theta = _vary(_block(versions_VP, row, staged.param_size), axes)
         return _vary(fn(j, theta, *ops), axes)
       return run
-    return jax.lax.switch(stage, [branch(j) for j in range(staged.num_stages)], versions_VxP, row,
+    return jax.lax.switch(stage, [branch(j) for j in range(staged.num_stages)], versions_VP, row,
                           *operands)
 
   def finish(*results):
@@ -272,8 +277,8 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     if tt.replica_axis:  # One all-reduce per stage and step, where the stage updates.
       grads = jax.lax.psum(grads, tt.replica_axis)
     grads = grads / tt.num_micro
-    num_versions = carry.versions_VxP.shape[0]
-    params = carry.versions_VxP[carry.head]
+    num_versions = carry.versions_VP.shape[0] // staged.param_size
+    params = _block(carry.versions_VP, carry.head, staged.param_size)
     updates, opt_state = tx.update(grads, carry.opt_state, params)
     params = optax.apply_updates(params, updates)
     head = (carry.head - 1) % num_versions  # The oldest version's row takes theta_{t+1}.
@@ -281,7 +286,9 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     if stateful and tt.name != "cyclic":
       model_state, new_state = average_state((model_state, new_state))
     return carry._replace(
-        versions_VxP=carry.versions_VxP.at[head].set(params), head=head, opt_state=opt_state,
+        versions_VP=jax.lax.dynamic_update_slice(carry.versions_VP, params,
+                                                 (head * staged.param_size,)),
+        head=head, opt_state=opt_state,
         model_state_M=model_state, new_state_M=_vary(new_state, tt.axes),
         grad_sq_K=carry.grad_sq_K.at[step].set(_vary(jnp.sum(jnp.square(grads)), tt.axes)),
         param_sq_K=carry.param_sq_K.at[step].set(_vary(jnp.sum(jnp.square(params)), tt.axes)))
@@ -321,7 +328,8 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
                         send)
     return carry._replace(recv_A=recv), None
 
-  def body(state: StagedState, batch):
+  def body(state: StagedState, ring_1xVP, batch):
+    """``state`` without its versions, which come as the flat ring ``[1, V*P]`` (`ring_of`)."""
     local = lambda tree: jax.tree.map(lambda a: a[0], tree)
     x, labels = batch["image"], batch["label"]
     x_KxMx = x.reshape((tt.num_steps, tt.per_replica, -1) + x.shape[2:])
@@ -332,9 +340,9 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     model_state = (jnp.zeros((0,), jnp.float32) if state.model_state is None
                    else local(state.model_state))
     carry = _Slot(
-        versions_VxP=jnp.stack(local(state.versions)), head=jnp.zeros((), jnp.int32),
+        versions_VP=ring_1xVP[0], head=jnp.zeros((), jnp.int32),
         opt_state=local(state.opt_state), model_state_M=model_state,
-        acc_P=_vary(jnp.zeros_like(local(state.params)), tt.axes),
+        acc_P=_vary(jnp.zeros((staged.param_size,), jnp.float32), tt.axes),
         new_state_M=_vary(jnp.zeros_like(model_state), tt.axes),
         stash_SxA=_vary(jnp.zeros((stash_size, act), jnp.float32), tt.axes),
         recv_A=_vary(jnp.zeros((act,), jnp.float32), tt.axes),
@@ -342,16 +350,13 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
         param_sq_K=_vary(zeros_K, tt.axes))
     carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, x_KxMx, labels_KxMxb), carry,
                             jnp.arange(tt.num_slots))
-    num_versions = carry.versions_VxP.shape[0]
-    # One slice per output buffer: a gather of the rotated rows is a [V, P] temporary.
-    versions = [jax.lax.dynamic_index_in_dim(carry.versions_VxP, (carry.head + v) % num_versions,
-                                             keepdims=False) for v in range(num_versions)]
     glob = lambda tree: jax.tree.map(lambda a: a[None], tree)
-    new_state = StagedState(state.step + tt.num_steps, glob(versions[0]),
-                            tuple(glob(v) for v in versions[1:]), glob(carry.opt_state),
+    new_state = StagedState(state.step + tt.num_steps, None, (), glob(carry.opt_state),
                             None if state.model_state is None else glob(carry.model_state_M))
     lead = (None,) * len(tt.axes)
-    return new_state, (carry.loss_K[lead], carry.grad_sq_K[lead], carry.param_sq_K[lead])
+    # Every stage updated K times: theta_{t+K-v} is block (v - K) % V (`versions_of`).
+    return new_state, glob(carry.versions_VP), (
+        carry.loss_K[lead], carry.grad_sq_K[lead], carry.param_sq_K[lead])
 
   return body
 
@@ -400,16 +405,39 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
   body = _make_body(staged, tx, plan.delays, tt)
   state_spec = StagedState(P(), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS))
   batch_spec = P(None, tt.replica_axis) if tt.replica_axis else P()
+  stage_rows = NamedSharding(mesh, P(STAGE_AXIS))
+  donated = (0, 1) if donate else ()
   run = jax.jit(
-      jax.shard_map(body, mesh=mesh, in_specs=(state_spec, batch_spec),
-                    out_specs=(state_spec, P(*axes))),
-      donate_argnums=(0,) if donate else ())
+      jax.shard_map(body, mesh=mesh, in_specs=(state_spec, P(STAGE_AXIS), batch_spec),
+                    out_specs=(state_spec, P(STAGE_AXIS), P(*axes))),
+      donate_argnums=donated)
+  # The scan's ring of versions, [J, V*P], is built and taken apart by programs of their own
+  # (a copy of the versions per call of K steps): stacked inside the step, the state's
+  # version buffers, aliased to its outputs, and the ring both lived through the call (the
+  # transformer's cyclic peak less its stale stage was 1.04x GPipe's on CPU). Flat, not
+  # [V, P]: with [V, P] the TPU compiler's temporaries grew (cdp+mp ResNet-18, v5e:2x4:
+  # peak 837 MB [V, P], 703 MB flat, 804 MB stacked inside).
+  ring_of = jax.jit(lambda versions: jnp.concatenate(versions, axis=1), out_shardings=stage_rows)
+  size = staged.param_size
 
-  def prepare(state: StagedState, batch):
+  def versions_of_ring(ring):
+    num_versions = ring.shape[1] // size
+    return tuple(ring[:, (v - tt.num_steps) % num_versions * size:][:, :size]
+                 for v in range(num_versions))
+  versions_of = jax.jit(versions_of_ring, out_shardings=stage_rows)
+
+  def prepare(state: StagedState, batch, abstract_ring=False):
+    """``run``'s arguments: the state without its versions, their ring, the batch."""
     executor_lib.check_versions(state, plan)
     batch = steps_batch(batch, scan_steps, num_micro)
     state = executor_lib.place(state, _state_sharding(mesh, state))
-    return state, executor_lib.place(batch, NamedSharding(mesh, batch_spec))
+    if abstract_ring:
+      ring = jax.ShapeDtypeStruct(jax.eval_shape(ring_of, state.versions).shape,
+                                  state.params.dtype, sharding=stage_rows)
+    else:
+      ring = _consumed(ring_of, state.versions, donate)
+    return (state._replace(params=None, stale_params=()), ring,
+            executor_lib.place(batch, NamedSharding(mesh, batch_spec)))
 
   def finish(raw):
     # Per device [J, K], or [R, J, K] with replicas; replicated outside the step, so
@@ -426,14 +454,26 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
 
   def step(state, batch, norms=True):
     del norms  # Each device's norms come with its stage's update; they cost no extra pass here.
-    state, raw = run(*prepare(state, batch))
-    return state, finish(raw)
+    state, ring, raw = run(*prepare(state, batch))
+    versions = _consumed(versions_of, ring, donate)
+    return state._replace(params=versions[0], stale_params=versions[1:]), finish(raw)
 
   return executor_lib.Executor(
       init=lambda params, model_state=None: init_state(staged, params, tx, rule=rule, mesh=mesh,
                                                        model_state=model_state),
       step=step, variables=lambda state: variables(state, staged),
-      lower=lambda state, batch: run.lower(*prepare(state, batch)), plan=plan)
+      lower=lambda state, batch: run.lower(*prepare(state, batch, abstract_ring=True)),
+      plan=plan)
+
+
+def _consumed(fn, arrays, donate: bool):
+  """``fn(arrays)``, then ``arrays`` deleted if ``donate``: what donation does where XLA
+  cannot alias an input to an output of another shape (JAX would warn and keep it)."""
+  out = fn(arrays)
+  if donate:
+    for a in jax.tree.leaves(arrays):
+      a.delete()
+  return out
 
 
 def _layout(mesh: Mesh, timetable, num_stages: int, num_micro_batches):
