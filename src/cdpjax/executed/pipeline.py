@@ -60,7 +60,9 @@ from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.plan import BWD, FWD
-from cdpjax.executed.staged import StagedModel, after as staged_after, steps_batch, vary as _vary
+from cdpjax.executed.staged import (StagedModel, VersionRing, after as staged_after,
+                                    block as staged_block, set_block as staged_set_block,
+                                    steps_batch, vary as _vary)
 
 TIMETABLES = ("cyclic", "gpipe", "dp+mp")
 STAGE_AXIS = "stage"
@@ -142,11 +144,6 @@ def init_state(staged: StagedModel, params, tx: optax.GradientTransformation, *,
   return jax.device_put(state, _state_sharding(mesh, state))
 
 
-def _block(flat, index, size: int):
-  """Block ``index`` (traced) of size ``size`` of the flat vector ``flat``."""
-  return jax.lax.dynamic_slice(flat, (index * size,), (size,))
-
-
 def _permute(pairs, axes):
   """``ppermute`` over ``stage`` along ``pairs``; devices outside them receive zeros."""
   if not pairs:
@@ -186,7 +183,7 @@ def _branches(staged: StagedModel, axes):
 
     def branch(j):
       def run(versions_VP, row, *ops):
-        theta = _vary(_block(versions_VP, row, staged.param_size), axes)
+        theta = _vary(staged_block(versions_VP, row, staged.param_size), axes)
         return _vary(fn(j, theta, *ops), axes)
       return run
     return jax.lax.switch(stage, [branch(j) for j in range(staged.num_stages)], versions_VP, row,
@@ -278,7 +275,7 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
       grads = jax.lax.psum(grads, tt.replica_axis)
     grads = grads / tt.num_micro
     num_versions = carry.versions_VP.shape[0] // staged.param_size
-    params = _block(carry.versions_VP, carry.head, staged.param_size)
+    params = staged_block(carry.versions_VP, carry.head, staged.param_size)
     updates, opt_state = tx.update(grads, carry.opt_state, params)
     params = optax.apply_updates(params, updates)
     head = (carry.head - 1) % num_versions  # The oldest version's row takes theta_{t+1}.
@@ -286,8 +283,7 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     if stateful and tt.name != "cyclic":
       model_state, new_state = average_state((model_state, new_state))
     return carry._replace(
-        versions_VP=jax.lax.dynamic_update_slice(carry.versions_VP, params,
-                                                 (head * staged.param_size,)),
+        versions_VP=staged_set_block(carry.versions_VP, head, staged.param_size, params),
         head=head, opt_state=opt_state,
         model_state_M=model_state, new_state_M=_vary(new_state, tt.axes),
         grad_sq_K=carry.grad_sq_K.at[step].set(_vary(jnp.sum(jnp.square(grads)), tt.axes)),
@@ -329,7 +325,8 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     return carry._replace(recv_A=recv), None
 
   def body(state: StagedState, ring_1xVP, batch):
-    """``state`` without its versions, which come as the flat ring ``[1, V*P]`` (`ring_of`)."""
+    """``state`` without its versions, which come as their flat ring ``[1, V*P]``
+    (`staged.VersionRing`)."""
     local = lambda tree: jax.tree.map(lambda a: a[0], tree)
     x, labels = batch["image"], batch["label"]
     x_KxMx = x.reshape((tt.num_steps, tt.per_replica, -1) + x.shape[2:])
@@ -354,7 +351,6 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     new_state = StagedState(state.step + tt.num_steps, None, (), glob(carry.opt_state),
                             None if state.model_state is None else glob(carry.model_state_M))
     lead = (None,) * len(tt.axes)
-    # Every stage updated K times: theta_{t+K-v} is block (v - K) % V (`versions_of`).
     return new_state, glob(carry.versions_VP), (
         carry.loss_K[lead], carry.grad_sq_K[lead], carry.param_sq_K[lead])
 
@@ -411,32 +407,15 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
       jax.shard_map(body, mesh=mesh, in_specs=(state_spec, P(STAGE_AXIS), batch_spec),
                     out_specs=(state_spec, P(STAGE_AXIS), P(*axes))),
       donate_argnums=donated)
-  # The scan's ring of versions, [J, V*P], is built and taken apart by programs of their own
-  # (a copy of the versions per call of K steps): stacked inside the step, the state's
-  # version buffers, aliased to its outputs, and the ring both lived through the call (the
-  # transformer's cyclic peak less its stale stage was 1.04x GPipe's on CPU). Flat, not
-  # [V, P]: with [V, P] the TPU compiler's temporaries grew (cdp+mp ResNet-18, v5e:2x4:
-  # peak 837 MB [V, P], 703 MB flat, 804 MB stacked inside).
-  ring_of = jax.jit(lambda versions: jnp.concatenate(versions, axis=1), out_shardings=stage_rows)
-  size = staged.param_size
-
-  def versions_of_ring(ring):
-    num_versions = ring.shape[1] // size
-    return tuple(ring[:, (v - tt.num_steps) % num_versions * size:][:, :size]
-                 for v in range(num_versions))
-  versions_of = jax.jit(versions_of_ring, out_shardings=stage_rows)
+  ring = VersionRing(staged.param_size, tt.num_steps, stage_rows, donate)
 
   def prepare(state: StagedState, batch, abstract_ring=False):
     """``run``'s arguments: the state without its versions, their ring, the batch."""
     executor_lib.check_versions(state, plan)
     batch = steps_batch(batch, scan_steps, num_micro)
     state = executor_lib.place(state, _state_sharding(mesh, state))
-    if abstract_ring:
-      ring = jax.ShapeDtypeStruct(jax.eval_shape(ring_of, state.versions).shape,
-                                  state.params.dtype, sharding=stage_rows)
-    else:
-      ring = _consumed(ring_of, state.versions, donate)
-    return (state._replace(params=None, stale_params=()), ring,
+    versions = (ring.abstract if abstract_ring else ring.of)(state.versions)
+    return (state._replace(params=None, stale_params=()), versions,
             executor_lib.place(batch, NamedSharding(mesh, batch_spec)))
 
   def finish(raw):
@@ -454,8 +433,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
 
   def step(state, batch, norms=True):
     del norms  # Each device's norms come with its stage's update; they cost no extra pass here.
-    state, ring, raw = run(*prepare(state, batch))
-    versions = _consumed(versions_of, ring, donate)
+    state, versions_ring, raw = run(*prepare(state, batch))
+    versions = ring.versions(versions_ring)
     return state._replace(params=versions[0], stale_params=versions[1:]), finish(raw)
 
   return executor_lib.Executor(
@@ -464,16 +443,6 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
       step=step, variables=lambda state: variables(state, staged),
       lower=lambda state, batch: run.lower(*prepare(state, batch, abstract_ring=True)),
       plan=plan)
-
-
-def _consumed(fn, arrays, donate: bool):
-  """``fn(arrays)``, then ``arrays`` deleted if ``donate``: what donation does where XLA
-  cannot alias an input to an output of another shape (JAX would warn and keep it)."""
-  out = fn(arrays)
-  if donate:
-    for a in jax.tree.leaves(arrays):
-      a.delete()
-  return out
 
 
 def _layout(mesh: Mesh, timetable, num_stages: int, num_micro_batches):
