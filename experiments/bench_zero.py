@@ -14,6 +14,13 @@ from its slot plan (`plan.zero_plan`), since its messages sit in a loop body.
 Speed is a ratio measured in this run, calls interleaved, warm-up excluded,
 median of ``--steps`` calls, per training step.
 
+Two timing ablations of ``cyclic`` run beside them (``--floors``; their
+numbers are wrong, only their time counts): the same program with its
+messages replaced by one 64-byte collective-permute per slot
+(``slot_rendezvous``: the floor of any timetable that exchanges data every
+slot), and by nothing (``no_collectives``: the slots' compute and
+bookkeeping alone, each worker running free).
+
 The compile sweep lowers and compiles both ZeRO steps for J = N in
 ``--compile_sweep`` (the residual MLP, width 32, one step per call; a child
 process when this one has fewer devices than the largest J). Run:
@@ -21,6 +28,8 @@ process when this one has fewer devices than the largest J). Run:
   python experiments/bench_zero.py            # writes results/bench_zero.json
   python experiments/bench_zero.py --quick    # a tiny configuration, seconds
 """
+import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -37,6 +46,7 @@ from cdpjax import distributed  # noqa: E402  (imports no JAX)
 distributed.emulate_cpu_devices(8)
 
 import jax  # noqa: E402  (after the device count is set)
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -122,6 +132,50 @@ def build(num_workers, args):
            "compile_s": round(time.perf_counter() - start, 2)}
     row.update(program_figures(executable, state, staged, ex.plan.delays, num_steps, name))
     programs[name] = (ex.step, state, call_batch, row)
+  if args.floors:
+    programs.update({name: (*p, None) for name, p in floor_programs(
+        staged, params, tx, mesh, steps_batch, args.scan_steps).items()})
+  return programs
+
+
+FLOORS = ("slot_rendezvous", "no_collectives")
+
+
+@contextlib.contextmanager
+def messages_replaced(floor: str):
+  """While tracing: the cyclic ring without its messages (a timing ablation; numbers wrong).
+
+  Every collective-permute becomes the worker's own buffer; ``slot_rendezvous``
+  then adds one 64-byte collective-permute around the ring per slot, which the
+  slot waits for: the least any timetable that exchanges data every slot
+  pays. ``no_collectives`` leaves each worker running free.
+  """
+  send, permute = zero._Ring.send, zero._Ring.permute  # pylint: disable=protected-access
+
+  def one_rendezvous(ring, *args):
+    out = send(ring, *args)
+    pairs = [(i, (i + 1) % ring.num_workers) for i in range(ring.num_workers)]
+    token = permute(ring, out[0][:16], pairs)
+    return [out[0].at[0].add(0 * jnp.sum(token))] + out[1:]  # In place.
+
+  zero._Ring.permute = lambda ring, buffer, pairs: buffer  # pylint: disable=protected-access
+  if floor == "slot_rendezvous":
+    zero._Ring.send = one_rendezvous  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    zero._Ring.send, zero._Ring.permute = send, permute  # pylint: disable=protected-access
+
+
+def floor_programs(staged, params, tx, mesh, steps_batch, scan_steps) -> dict:
+  """``{name: (step, state, batch)}``: the cyclic step traced under each `messages_replaced`."""
+  programs = {}
+  for name in FLOORS:
+    ex = zero.make_train_step(staged, tx, rule="cdp-v2", mesh=mesh, timetable="cyclic",
+                              scan_steps=scan_steps)
+    with messages_replaced(name):  # The first call traces and compiles.
+      state, _ = ex.step(ex.init(params), steps_batch)
+    programs[name] = (ex.step, state, steps_batch)
   return programs
 
 
@@ -215,6 +269,8 @@ def main(argv=None):
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--compile_sweep", default="2,4,8,16", help="comma-separated J")
   parser.add_argument("--compile_only", action="store_true", help="only the compile sweep")
+  parser.add_argument("--floors", action=argparse.BooleanOptionalAction, default=True,
+                      help="time cyclic's slot_rendezvous and no_collectives ablations beside it")
   args = parser.parse_args(argv)
   if args.quick:
     args.workers, args.width, args.per_worker, args.steps, args.warmup = [2], 16, 4, 3, 1
@@ -231,13 +287,17 @@ def main(argv=None):
     programs = build(num_workers, args)
     medians = _common.interleaved_step_times(
         {name: p[:3] for name, p in programs.items()}, steps=args.steps, warmup=args.warmup)
-    by_name = {name: p[3] for name, p in programs.items()}
+    by_name = {name: p[3] for name, p in programs.items() if p[3] is not None}
     for name, row in by_name.items():
       row["step_time_s"] = medians[name] / row["steps_per_call"]
     for name, row in by_name.items():
       row["step_time_ratio"] = row["step_time_s"] / by_name["engine"]["step_time_s"]
       rows.append(row)
     goals[str(num_workers)] = _goals(by_name, num_workers)
+    for name in FLOORS:  # Per step, as the cyclic row (K steps a call).
+      if name in medians:
+        goals[str(num_workers)][f"{name}_vs_zero3"] = (
+            medians[name] / args.scan_steps / by_name["zero3"]["step_time_s"])
   sweep = compile_sweep(sweep_stages, args)
   result = {"config": {k: v for k, v in vars(args).items() if k != "results_dir"}, "runs": rows,
             "compile_sweep": sweep, "goals": goals, "devices": jax.device_count(),

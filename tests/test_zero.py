@@ -251,3 +251,7 @@ def test_benchmark_quick_writes_json(tmp_path):
       assert key in row
     assert set(row["memory"]) >= {"parameters", "optimizer", "temporaries"}
   assert result["goals"]["2"]["only_point_to_point"]
+  # The ablations are timed beside it, and bench_zero's patch is undone.
+  assert {"slot_rendezvous_vs_zero3", "no_collectives_vs_zero3"} <= set(result["goals"]["2"])
+  assert (zero._Ring.send.__qualname__, zero._Ring.permute.__qualname__) == (
+      "_Ring.send", "_Ring.permute")

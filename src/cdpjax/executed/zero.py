@@ -335,9 +335,13 @@ class _Ring(NamedTuple):
     def branch(pairs):
       if not pairs:
         return lambda after, *ops: self.vary(jnp.zeros(shape.shape, shape.dtype))
-      return lambda previous, *ops: self.vary(jax.lax.ppermute(
-          staged_after(make(*ops), previous), AXIS, pairs))
+      return lambda previous, *ops: self.vary(self.permute(
+          staged_after(make(*ops), previous), pairs))
     return jax.lax.switch(index, [branch(p) for p in pair_lists], after, *operands)
+
+  def permute(self, buffer, pairs):
+    """The one place a message crosses devices (bench_zero times the ring without it)."""
+    return jax.lax.ppermute(buffer, AXIS, pairs)
 
 
 def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
