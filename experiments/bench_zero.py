@@ -168,13 +168,24 @@ def messages_replaced(floor: str):
 
 
 def floor_programs(staged, params, tx, mesh, steps_batch, scan_steps) -> dict:
-  """``{name: (step, state, batch)}``: the cyclic step traced under each `messages_replaced`."""
+  """``{name: (step, state, batch)}``: the cyclic step traced under each `messages_replaced`.
+
+  Each compiled program is checked to hold what its name says: no collective,
+  or one collective-permute per slot.
+  """
   programs = {}
   for name in FLOORS:
     ex = zero.make_train_step(staged, tx, rule="cdp-v2", mesh=mesh, timetable="cyclic",
                               scan_steps=scan_steps)
     with messages_replaced(name):  # The first call traces and compiles.
       state, _ = ex.step(ex.init(params), steps_batch)
+      hlo = ex.lower(state, steps_batch).compile().as_text()
+    runs = {k: v for k, v in compiled.collective_summary(hlo, scan_steps).items() if v["count"]}
+    slots = plan.zero_slots(staged.num_stages, scan_steps)
+    want = {} if name == "no_collectives" else {"collective-permute": slots / scan_steps}
+    got = {k: v["count_max"] for k, v in runs.items()}
+    if got != want or any(v["count_min"] != v["count_max"] for v in runs.values()):
+      raise RuntimeError(f"The {name} ablation compiled to {runs}, not {want} per step.")
     programs[name] = (ex.step, state, steps_batch)
   return programs
 
