@@ -17,8 +17,8 @@ median of ``--steps`` calls, per training step.
 Two timing ablations of ``cyclic`` run beside them (``--floors``; their
 numbers are wrong, only their time counts): the same program with its
 messages replaced by one 64-byte collective-permute per slot
-(``slot_rendezvous``: the floor of any timetable that exchanges data every
-slot), and by nothing (``no_collectives``: the slots' compute and
+(``slot_rendezvous``: exchanging data every slot with no bytes and a single
+collective), and by nothing (``no_collectives``: the slots' compute and
 bookkeeping alone, each worker running free).
 
 The compile sweep lowers and compiles both ZeRO steps for J = N in
@@ -147,8 +147,8 @@ def messages_replaced(floor: str):
 
   Every collective-permute becomes the worker's own buffer; ``slot_rendezvous``
   then adds one 64-byte collective-permute around the ring per slot, which the
-  slot waits for: the least any timetable that exchanges data every slot
-  pays. ``no_collectives`` leaves each worker running free.
+  slot waits for: the least that exchanging data every slot costs these
+  slots. ``no_collectives`` leaves each worker running free.
   """
   send, permute = zero._Ring.send, zero._Ring.permute  # pylint: disable=protected-access
 
