@@ -70,7 +70,8 @@ from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.pipeline import StagedState, replicated
-from cdpjax.executed.staged import StagedModel, after as staged_after, steps_batch, vary
+from cdpjax.executed.staged import (StagedModel, after as staged_after, block as staged_block,
+                                    set_block, steps_batch, vary)
 
 AXIS = "data"
 REPLICA = "replica"
@@ -177,19 +178,27 @@ def _metrics_row(loss_K, grad_sq_KxJ, param_sq_KxJ):
   return jnp.concatenate([loss_K[:, None], grad_sq_KxJ, param_sq_KxJ], axis=1)[None]
 
 
+def _version(versions, index):
+  """``versions[index]`` for a traced index: a select per buffer, fused where it is read."""
+  return functools.reduce(lambda acc, k: jnp.where(index == k, versions[k], acc),
+                          range(1, len(versions)), versions[0])
+
+
 class _Carry(NamedTuple):
   """The scan carry of one cyclic worker: its owned stage and its micro-batch in flight.
 
   Two-slot queues are indexed by slot parity: row ``s % 2`` holds what slot
   ``s-2`` produced until slot ``s`` sends it on and overwrites it.
   """
-  versions_VxP: Any  # The owned stage; theta_{t-v} is row (head + v) % V.
+  versions_V: Any    # The owned stage, one buffer per version (they stay in the state's
+                     # buffers): theta_{t-v} is versions_V[(head + v) % V].
   head: Any
   opt_state: Any
   model_state_M: Any
   used_2xP: Any      # Stage buffers used, to send on along the ring.
-  grads_3xQ: Any     # Rows 0, 1: gradient partial sums (and next model states), to send on
-                     # along a chain; row 2: the owned stage's chain that ends here.
+  grads_3Q: Any      # Rows 0, 1 (of Q, flat: a TPU pads a [3, Q] array to 4 rows): gradient
+                     # partial sums (and next model states), to send on along a chain;
+                     # row 2: the owned stage's chain that ends here.
   state_2x2M: Any    # Forward model-state messages: the state read, the sum of new ones.
   h_A: Any
   cot_A: Any
@@ -346,19 +355,19 @@ class _Ring(NamedTuple):
 
 def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
   """The owner's optimizer step on its stage, with the chains' sum (and the replicas')."""
-  acc = carry.grads_3xQ[2] + final_Q
+  acc = staged_block(carry.grads_3Q, 2, final_Q.shape[0]) + final_Q
   if ring.num_replicas > 1:
     acc = jax.lax.psum(acc, REPLICA)  # The one all-reduce of this stage and step.
   grads = acc[:ring.size_p] / (ring.num_workers * ring.num_replicas)
-  num_versions = carry.versions_VxP.shape[0]
-  params = carry.versions_VxP[carry.head]
+  params = _version(carry.versions_V, carry.head)
   updates, opt_state = tx.update(grads, carry.opt_state, params)
   params = optax.apply_updates(params, updates)
-  head = (carry.head - 1) % num_versions  # The oldest version's row takes theta_{t+1}.
+  head = (carry.head - 1) % len(carry.versions_V)  # The oldest version's buffer takes theta_{t+1}.
   stats = carry.stats_3xK.at[1, step].set(ring.vary(jnp.sum(jnp.square(grads))))
   stats = stats.at[2, step].set(ring.vary(jnp.sum(jnp.square(params))))
   return carry._replace(
-      versions_VxP=carry.versions_VxP.at[head].set(params), head=head,
+      versions_V=tuple(jnp.where(head == k, params, v) for k, v in enumerate(carry.versions_V)),
+      head=head,
       opt_state=ring.vary(opt_state, state=True),
       model_state_M=ring.vary(acc[ring.size_p:] / ring.num_replicas, state=True),
       stats_3xK=stats)
@@ -375,7 +384,7 @@ def _branches(staged: StagedModel, ring: _Ring):
 
   def idle(ops):
     c = ops[0]
-    zeros_q = jnp.zeros(c.grads_3xQ.shape[1:], jnp.float32)
+    zeros_q = jnp.zeros((ring.size_p + size_m,), jnp.float32)
     return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, zeros_q,
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
@@ -389,7 +398,7 @@ def _branches(staged: StagedModel, ring: _Ring):
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
     return ring.vary((h, c.cot_A, c.stash_JxA.at[j].set(c.h_A), c.stash_JxM.at[j].set(read),
-                      c.next_JxM.at[j].set(mean), jnp.zeros(c.grads_3xQ.shape[1:], jnp.float32),
+                      c.next_JxM.at[j].set(mean), jnp.zeros((ring.size_p + size_m,), jnp.float32),
                       msg, loss))
 
   def backward(ops):
@@ -414,12 +423,15 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
   tables["send_version"] = plan.send_version()
   branches = _branches(staged, ring)
   size_p, size_m = ring.size_p, ring.size_m
+  assert (plan.update.sum(axis=0) == num_steps).all()  # `_by_age` relies on it.
+  if 3 * (size_p + size_m) >= 2**31:
+    raise ValueError(f"Stages of {size_p + size_m} elements are too large for the ring's int32 "
+                     "offsets (3 of them in one buffer): cut the model into more stages.")
   rounds = message_rounds(plan)
 
   def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
-    num_versions = c.versions_VxP.shape[0]
-    own = lambda c, v: ring.vary(c.versions_VxP[(c.head + v) % num_versions])
+    own = lambda c, v: ring.vary(_version(c.versions_V, (c.head + v) % len(c.versions_V)))
     parity = slot % 2
 
     def message(m, used, grads):
@@ -427,10 +439,10 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
       and model state (never in the slot of its update: `message_rounds`), worker N-1's tail-chain
       sum of 1 slot ago."""
       stage = jnp.where(m == PARAM_OWNER, own(c, ev["send_version"]), used[parity])
-      grad = grads[jnp.where(m == GRAD_FINAL, 1 - parity, parity)]
+      grad = staged_block(grads, jnp.where(m == GRAD_FINAL, 1 - parity, parity), size_p + size_m)
       return jnp.where(m <= PARAM_OWNER, jnp.concatenate([stage, ring.vary(c.model_state_M)]),
                        grad)
-    out = ring.send(rounds, slot, me, message, c.used_2xP, c.grads_3xQ)
+    out = ring.send(rounds, slot, me, message, c.used_2xP, c.grads_3Q)
     pick = lambda kind: functools.reduce(
         lambda acc, r: jnp.where(jnp.asarray(rounds.received[kind])[slot, me] == r, out[r], acc),
         range(1, len(out)), out[0])
@@ -454,7 +466,8 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
     # The owner's own chain ends here (row 2) until its update; no worker reads that row's queue.
     grads_row = jnp.where(ev["grad_end"] == 1, 2, parity)
     return c._replace(
-        used_2xP=c.used_2xP.at[parity].set(buf), grads_3xQ=c.grads_3xQ.at[grads_row].set(partial),
+        used_2xP=c.used_2xP.at[parity].set(buf),
+        grads_3Q=set_block(c.grads_3Q, grads_row, size_p + size_m, partial),
         state_2x2M=c.state_2x2M.at[parity].set(msg), h_A=h, cot_A=cot, stash_JxA=stash,
         stash_JxM=stash_m, next_JxM=next_m,
         stats_3xK=c.stats_3xK.at[0, ev["step"]].add(loss)), None
@@ -467,18 +480,18 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
     model_state = (jnp.zeros((1, 0), jnp.float32) if state.model_state is None
                    else state.model_state)
     carry = _Carry(
-        versions_VxP=ring.vary(jnp.stack([v[0] for v in state.versions]), state=True),
+        versions_V=tuple(ring.vary(v[0], state=True) for v in state.versions),
         head=ring.vary(jnp.zeros((), jnp.int32), state=True),
         opt_state=ring.vary(jax.tree.map(lambda a: a[0], state.opt_state), state=True),
         model_state_M=ring.vary(model_state[0], state=True), used_2xP=zeros(2, size_p),
-        grads_3xQ=zeros(3, size_p + size_m),
+        grads_3Q=zeros(3 * (size_p + size_m)),
         state_2x2M=zeros(2, 2 * size_m), h_A=zeros(act), cot_A=zeros(act),
         stash_JxA=zeros(ring.num_workers, act), stash_JxM=zeros(ring.num_workers, size_m),
         next_JxM=zeros(ring.num_workers, size_m), stats_3xK=zeros(3, num_steps))
     carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, me, x, labels), carry,
                             jnp.arange(plan.num_slots))
-    num_versions = carry.versions_VxP.shape[0]
-    versions = carry.versions_VxP[(carry.head + jnp.arange(num_versions)) % num_versions]
+    # The versions leave in the buffers they came in (`_by_age` puts them back in order).
+    versions = carry.versions_V
     glob = lambda tree: jax.tree.map(lambda a: a[None], tree)
     new = StagedState(state.step + num_steps, glob(versions[0]),
                       tuple(glob(v) for v in versions[1:]), glob(carry.opt_state),
@@ -489,6 +502,19 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
     return new, _metrics_row(loss, grad_sq[:, None] * mine[None], param_sq[:, None] * mine[None])
 
   return body
+
+
+def _by_age(state: StagedState, num_steps: int) -> StagedState:
+  """A cyclic call's output state with its versions in age order again (no data moves).
+
+  The call writes ``theta_{t+1}`` into the buffer of the oldest version at each
+  update and returns every version in the buffer it came in, so that XLA
+  updates the donated buffers in place; each owner updates its stage once a
+  step, so after ``K`` steps ``theta_{t-v}`` is in buffer ``(v - K) % V``.
+  """
+  versions = state.versions
+  aged = [versions[(v - num_steps) % len(versions)] for v in range(len(versions))]
+  return state._replace(params=aged[0], stale_params=tuple(aged[1:]))
 
 
 def _zero3_step(staged: StagedModel, tx, delays, num_replicas: int):
@@ -620,6 +646,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
   def step(state, batch, norms=True):
     del norms  # The norms ride the owners' update; they cost no extra pass here.
     state, rows = run(*prepare(state, batch))
+    if plan.timetable == "cyclic":
+      state = _by_age(state, scan_steps or 1)
     metrics = _metrics(rows, num_replicas, num_workers)
     return state, metrics if scan_steps else jax.tree.map(lambda m: m[0], metrics)
 
