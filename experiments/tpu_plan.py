@@ -252,34 +252,13 @@ def predicted(strategy: str, c, w=None) -> dict:
                        "optimizer_factor": w.optimizer_factor}}
 
 
-# Points the TPU compiler crashes on (the process dies, so they cannot be caught), by libtpu
-# version: skipped and listed as not compiled, with the reason, instead of ending the plan.
-COMPILER_CRASHES = {
-    ("transformer-1b", "cdp+zero", "0.0.42.1"):
-        "libtpu 0.0.42.1 dies of a stack overflow in memory-space assignment "
-        "(xla::memory_space_assignment UseDoesNotLiveOut recursion), also under ulimit -s 262144",
-}
-
-
-def _libtpu_version() -> str:
-  import importlib.metadata  # pylint: disable=g-import-not-at-top
-  try:
-    return importlib.metadata.version("libtpu")
-  except importlib.metadata.PackageNotFoundError:
-    return "none"
-
-
 def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> dict | None:
-  """The compiled report of one point, from the cache when there (else None if ``cached_only``
-  or a known compiler crash)."""
+  """The compiled report of one point, from the cache when there (else None if ``cached_only``)."""
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
   path = out_dir / "points" / f"{name}_{strategy}_{topology.replace(':', '_')}.json"
   if path.exists():
     return json.loads(path.read_text())
-  crash = COMPILER_CRASHES.get((name, strategy, _libtpu_version()))
-  if crash:
-    print(f"{name} {strategy} {topology}: not compiled: {crash}", flush=True)
-  if cached_only or crash:
+  if cached_only:
     return None
   path.parent.mkdir(parents=True, exist_ok=True)
   result = aot.compile_config(c, topology)
@@ -421,8 +400,7 @@ def main(argv=None):
           missing.append(f"{name} {strategy} {LARGEST_CHECK[1]} at its largest size")
       compiled = compile_point(out, name, c, strategy, topology, args.cached_only)
       if compiled is None:
-        crash = COMPILER_CRASHES.get((name, strategy, _libtpu_version()))
-        missing.append(f"{name} {strategy} {topology}" + (f" ({crash})" if crash else ""))
+        missing.append(f"{name} {strategy} {topology}")
         continue
       executed = STRATEGIES[strategy][1] != "data"  # The same workload for every rule.
       if (name, executed) not in workloads:
@@ -440,8 +418,8 @@ def main(argv=None):
     print(f"psum_scatter of {r['operand']} per chip over {r['chips']} chips ({r['topology']}): "
           f"{r['compiled']}")
   if missing:
-    print("not compiled (a run without --cached_only compiles what is missing but a known "
-          "crash):", "; ".join(missing))
+    print("not compiled (a run without --cached_only compiles what is missing):",
+          "; ".join(missing))
   return result
 
 

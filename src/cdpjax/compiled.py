@@ -626,7 +626,12 @@ def memory(compiled) -> dict[str, int]:
   """Per-device byte counts from ``compiled.memory_analysis()``.
 
   ``peak_bytes`` is the usual estimate argument + output + temp - alias
-  (aliased outputs reuse argument buffers); XLA reports no true peak.
+  (aliased outputs reuse argument buffers). Not ``peak_memory_in_bytes``: on
+  the CPU it left out arguments in our checks, and on the TPU it is neither
+  this nor the HBM of the buffer assignment. The TPU's temp can exceed that
+  HBM (the 1B transformer's CDP+ZeRO: 22.8 GiB estimated, 15.9 in the dump's
+  buffer assignment; BENCHMARKS.md): on the TPU it was above the buffer
+  assignment's HBM in each of the four programs checked.
   """
   stats = compiled.memory_analysis()
   out = {
