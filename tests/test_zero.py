@@ -60,6 +60,15 @@ def test_residual_mlp_matches_engine(rule, timetable, num_workers, scan_steps):
   ref.assert_matches_engine(metrics, variables, "residual_mlp", rule, num_workers)
 
 
+@pytest.mark.parametrize("scan_steps", [None, 2])
+def test_three_versions_of_the_owned_stage_match_the_engine(scan_steps):
+  """Delays of 1 and 2 steps: three buffers per owner, relabelled by age after 1 and 2 steps."""
+  delays = schedule.resolve("cdp-v2", 2, 2) + 1
+  rule = tuple(map(tuple, delays.tolist()))  # Hashable, for the cached executors.
+  metrics, variables, _ = zero_run("residual_mlp", rule, 2, scan_steps)
+  ref.assert_matches_engine(metrics, variables, "residual_mlp", rule, 2)
+
+
 def test_resnet18_with_batchnorm_matches_engine():
   """Heterogeneous stages; new statistics travel the forward ring, across steps and calls."""
   metrics, variables, _ = zero_run("resnet18", "cdp-v2", 2, scan_steps=2)
