@@ -256,7 +256,8 @@ def summary(result: dict) -> str:
       f"{result['runs']}",
       f"topology {result['topology']}: {result['chips']} chips, the program uses "
       f"{result['devices_used']} (mesh {result['mesh']}); {result['num_params']:,} parameters",
-      "per chip:",
+      "per chip (XLA's estimate; the temp of a program with loops can exceed the HBM its "
+      "buffer assignment uses: docs/multihost.md):",
       *[f"  {key:<15} {_gib(m[key + '_bytes'])}" for key in
         ("argument", "output", "temp", "alias", "peak")],
       f"  HBM             {_gib(result['hbm_per_chip_bytes'])}: "
