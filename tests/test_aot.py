@@ -110,3 +110,16 @@ def test_tied_stagewise_backward_keeps_the_all_reduces_apart_on_tpu():
   assert tied["compiled_all_reduces"] == bench_overlap.NUM_STAGES
   after = tied["compute_after"]
   assert after[-1] == 0 and all(a > b for a, b in zip(after, after[1:])), after
+
+
+def test_tpu_plan_quick_compiles_every_strategy_with_the_predicted_collectives(tmp_path):
+  """The documented ``python experiments/tpu_plan.py --quick``: the digits MLP under every
+  strategy compiles for v5e:2x4, and its collective bytes per step are the cost model's."""
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import tpu_plan  # pylint: disable=g-import-not-at-top
+  result = tpu_plan.main(["--quick", "--results_dir", str(tmp_path)])
+  assert not result["not_compiled"]
+  assert sorted(r["strategy"] for r in result["rows"]) == sorted(tpu_plan.STRATEGIES)
+  for r in result["rows"]:
+    assert r["collective_ratio_min"] == pytest.approx(1.0, rel=1e-3), r
+    assert r["collective_ratio_max"] == pytest.approx(1.0, rel=1e-3), r
