@@ -310,6 +310,11 @@ class _Ring(NamedTuple):
   num_replicas: int
   plan: plan_lib.ZeroPlan
 
+  @property
+  def size_q(self) -> int:
+    """A message: a stage buffer and a model state, or a gradient and the next model state."""
+    return self.size_p + self.size_m
+
   def vary(self, tree, state=False):
     """Typed for the carry: the owned stage is the same on every replica, the rest is not."""
     return vary(tree, (AXIS,) if state else self.axes)
@@ -384,7 +389,7 @@ def _branches(staged: StagedModel, ring: _Ring):
 
   def idle(ops):
     c = ops[0]
-    zeros_q = jnp.zeros((ring.size_p + size_m,), jnp.float32)
+    zeros_q = jnp.zeros((ring.size_q,), jnp.float32)
     return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, zeros_q,
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
@@ -398,7 +403,7 @@ def _branches(staged: StagedModel, ring: _Ring):
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
     return ring.vary((h, c.cot_A, c.stash_JxA.at[j].set(c.h_A), c.stash_JxM.at[j].set(read),
-                      c.next_JxM.at[j].set(mean), jnp.zeros((ring.size_p + size_m,), jnp.float32),
+                      c.next_JxM.at[j].set(mean), jnp.zeros((ring.size_q,), jnp.float32),
                       msg, loss))
 
   def backward(ops):
@@ -424,8 +429,8 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
   branches = _branches(staged, ring)
   size_p, size_m = ring.size_p, ring.size_m
   assert (plan.update.sum(axis=0) == num_steps).all()  # `_by_age` relies on it.
-  if 3 * (size_p + size_m) >= 2**31:
-    raise ValueError(f"Stages of {size_p + size_m} elements are too large for the ring's int32 "
+  if 3 * ring.size_q >= 2**31:
+    raise ValueError(f"Stages of {ring.size_q} elements are too large for the ring's int32 "
                      "offsets (3 of them in one buffer): cut the model into more stages.")
   rounds = message_rounds(plan)
 
@@ -439,7 +444,7 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
       and model state (never in the slot of its update: `message_rounds`), worker N-1's tail-chain
       sum of 1 slot ago."""
       stage = jnp.where(m == PARAM_OWNER, own(c, ev["send_version"]), used[parity])
-      grad = staged_block(grads, jnp.where(m == GRAD_FINAL, 1 - parity, parity), size_p + size_m)
+      grad = staged_block(grads, jnp.where(m == GRAD_FINAL, 1 - parity, parity), ring.size_q)
       return jnp.where(m <= PARAM_OWNER, jnp.concatenate([stage, ring.vary(c.model_state_M)]),
                        grad)
     out = ring.send(rounds, slot, me, message, c.used_2xP, c.grads_3Q)
@@ -467,7 +472,7 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
     grads_row = jnp.where(ev["grad_end"] == 1, 2, parity)
     return c._replace(
         used_2xP=c.used_2xP.at[parity].set(buf),
-        grads_3Q=set_block(c.grads_3Q, grads_row, size_p + size_m, partial),
+        grads_3Q=set_block(c.grads_3Q, grads_row, ring.size_q, partial),
         state_2x2M=c.state_2x2M.at[parity].set(msg), h_A=h, cot_A=cot, stash_JxA=stash,
         stash_JxM=stash_m, next_JxM=next_m,
         stats_3xK=c.stats_3xK.at[0, ev["step"]].add(loss)), None
@@ -484,7 +489,7 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
         head=ring.vary(jnp.zeros((), jnp.int32), state=True),
         opt_state=ring.vary(jax.tree.map(lambda a: a[0], state.opt_state), state=True),
         model_state_M=ring.vary(model_state[0], state=True), used_2xP=zeros(2, size_p),
-        grads_3Q=zeros(3 * (size_p + size_m)),
+        grads_3Q=zeros(3 * ring.size_q),
         state_2x2M=zeros(2, 2 * size_m), h_A=zeros(act), cot_A=zeros(act),
         stash_JxA=zeros(ring.num_workers, act), stash_JxM=zeros(ring.num_workers, size_m),
         next_JxM=zeros(ring.num_workers, size_m), stats_3xK=zeros(3, num_steps))
