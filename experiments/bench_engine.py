@@ -26,11 +26,21 @@ mesh and batch within a workload:
   step is the per-stage bucket packing (JAX lowers a variadic ``psum`` to one
   all-reduce per operand, so packing is what keeps exactly ``J``).
 
-Steps are interleaved so machine drift hits all variants alike; warm-up is
-excluded and the median of ``--steps`` steps is taken; that is repeated
-``--repeats`` times from fresh states, and each ratio is the median of its
-repeats with their range printed beside it (the noise). Goals: every ratio
-<= 1.05; CDP's extra peak equal to its stale stages' bytes; no copies.
+Each workload is measured with one step per compiled call and with 16 (the
+trainer's default, ``--steps_per_call``; the hand-written step then scans
+too). With one step per call the versions rotate through their buffers; in a
+``lax.scan`` the carry keeps each version in its place, so ``theta_t`` is
+copied once per step into each stale leaf's slot, which the copy counts show.
+Times are per step. So are bytes accessed: XLA's cost analysis counts a loop
+body once, so a scanned call's figure is one step's (plus the call's own few
+bytes).
+
+Calls are interleaved so machine drift hits all variants alike; warm-up
+(``--warmup`` steps, at least one call) is excluded and the median of
+``--steps`` steps (``--steps // K`` calls, at least 3) is taken; that is repeated ``--repeats`` times from fresh states,
+and each ratio is the median of its repeats with their range printed beside
+it (the noise). Goals: every ratio <= 1.05; CDP's extra peak equal to its
+stale stages' bytes; no copies beyond the scan's shift.
 
   python experiments/bench_engine.py          # results/bench_engine/bench_engine.json
   python experiments/bench_engine.py --quick  # seconds
@@ -58,8 +68,8 @@ NUM_STAGES = 4
 RULES = ("dp", "cdp-v1", "cdp-v2")
 
 
-def plain_dp_step(loss_fn, tx, mesh):
-  """Textbook data parallelism with shard_map, as a user would write it."""
+def plain_dp_step(loss_fn, tx, mesh, scan_steps: int | None):
+  """Textbook data parallelism with shard_map, as a user would write it (``K`` steps: a scan)."""
 
   def step(state, batch):
     params, opt_state = state
@@ -69,10 +79,13 @@ def plain_dp_step(loss_fn, tx, mesh):
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
 
+  body = step if scan_steps is None else lambda state, batches: jax.lax.scan(step, state, batches)
   replicated = NamedSharding(mesh, P())
-  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")),
+  batch_spec = P("data") if scan_steps is None else P(None, "data")
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec),
                                out_specs=(P(), P())),
-                 out_shardings=(replicated, replicated), donate_argnums=0)
+                 out_shardings=(replicated, replicated), donate_argnums=0,
+                 compiler_options=compiled.compiler_options(mesh))
 
 
 def workload(name: str, quick: bool, per_worker_batch: int):
@@ -127,12 +140,16 @@ def bytes_accessed(program) -> float:
   return float(analysis.get("bytes accessed", 0.0))
 
 
-def measure(name: str, args) -> dict:
+def measure(name: str, args, steps_per_call: int) -> dict:
+  """One workload's figures with ``steps_per_call`` steps per compiled call (times per step)."""
   mesh = jax.make_mesh((NUM_WORKERS,), ("data",))
   per_worker_batch = {"mlp": args.per_worker_batch, "resnet18": args.resnet_batch,
                       "transformer": args.lm_batch}[name]
   model, batch, cut, tx = workload(name, args.quick, per_worker_batch)
   sample = batch["image"][:1]
+  scan_steps = steps_per_call if steps_per_call > 1 else None
+  if scan_steps:  # The same rows every step: [K, N * b, ...].
+    batch = jax.tree.map(lambda x: np.stack([x] * scan_steps), batch)
   variables = model.init(jax.random.key(0), sample, train=False)
   params = variables["params"]
   frozen = {k: v for k, v in variables.items() if k != "params"}  # BatchNorm statistics.
@@ -142,21 +159,25 @@ def measure(name: str, args) -> dict:
     logits = model.apply({"params": p, **frozen}, b["image"], train=False)
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["label"]).mean()
 
-  device_batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  device_batch = jax.device_put(
+      batch, NamedSharding(mesh, P("data") if scan_steps is None else P(None, "data")))
   programs, rows = {}, {}
   for rule in RULES:
-    step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh)
+    step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
+                                  scan_steps=scan_steps)
     state = step.init(params)
     program = step.lower(state, device_batch, norms=False).compile()
-    stale = sum(x.nbytes for x in jax.tree.leaves(state.stale_params))
-    rows[f"engine {rule}"] = {**compiled.memory(program), "stale_bytes": stale,
+    stale = jax.tree.leaves(state.stale_params)
+    rows[f"engine {rule}"] = {**compiled.memory(program),
+                              "stale_bytes": sum(x.nbytes for x in stale),
+                              "stale_leaves": len(stale),
                               "parameter_copies": parameter_copies(program.as_text(), params),
                               "bytes_accessed": bytes_accessed(program)}
     programs[f"engine {rule}"] = (lambda s, b, step=step: step(s, b, norms=False),
                                   lambda step=step: step.init(params))
     if rule == "dp":
       programs["engine dp, norms"] = (step, lambda step=step: step.init(params))
-  plain = plain_dp_step(loss_fn, tx, mesh)
+  plain = plain_dp_step(loss_fn, tx, mesh, scan_steps)
   plain_init = lambda: jax.device_put((jax.tree.map(jnp.array, params), tx.init(params)),  # noqa: E731
                                       NamedSharding(mesh, P()))
   program = plain.lower(plain_init(), device_batch).compile()
@@ -165,9 +186,11 @@ def measure(name: str, args) -> dict:
 
   # Each repeat starts from fresh states (the steps donate theirs); a ratio is
   # the median of its repeats' ratios, with their range as the noise.
-  repeats = [_common.interleaved_step_times(
+  calls = max(3, args.steps // steps_per_call)
+  repeats = [{key: t / steps_per_call for key, t in _common.interleaved_step_times(
       {name: (fn, init(), device_batch) for name, (fn, init) in programs.items()},
-      steps=args.steps, warmup=args.warmup) for _ in range(args.repeats)]
+      steps=calls, warmup=max(1, args.warmup // steps_per_call)).items()}
+             for _ in range(args.repeats)]
   for key in programs:
     rows.setdefault(key, {})["median_step_s"] = float(np.median([r[key] for r in repeats]))
   pairs = {"cdp-v1/dp": ("engine cdp-v1", "engine dp"), "cdp-v2/dp": ("engine cdp-v2", "engine dp"),
@@ -180,7 +203,8 @@ def measure(name: str, args) -> dict:
   extra = {rule: rows[f"engine {rule}"]["peak_bytes"] - rows["engine dp"]["peak_bytes"]
            for rule in RULES[1:]}
   return {
-      "workload": name, "param_bytes": param_bytes, "per_worker_batch": per_worker_batch,
+      "workload": name, "steps_per_call": steps_per_call, "param_bytes": param_bytes,
+      "per_worker_batch": per_worker_batch,
       "variants": rows, "ratios": ratios, "ratio_range_over_repeats": ratio_range,
       # Fixed per-parameter traffic: what each step reads and writes beyond dp's, in
       # parameter sizes (cdp-v2's per-worker select of the version reads two, writes one).
@@ -195,8 +219,12 @@ def measure(name: str, args) -> dict:
           "extra peak = stale bytes (5%)": all(
               abs(extra[rule] - rows[f"engine {rule}"]["stale_bytes"])
               <= 0.05 * rows[f"engine {rule}"]["stale_bytes"] for rule in extra),
-          "no parameter copies": all(rows[f"engine {rule}"]["parameter_copies"] == 0
-                                     for rule in RULES)},
+          # One step per call rotates the versions in place; a scan's carry keeps each
+          # version in its place, so theta_t is copied once into each stale leaf's slot.
+          "no parameter copies beyond the scan's shift": all(
+              rows[f"engine {rule}"]["parameter_copies"]
+              <= (rows[f"engine {rule}"]["stale_leaves"] if scan_steps else 0)
+              for rule in RULES)},
   }
 
 
@@ -212,12 +240,15 @@ def main(argv=None):
                       help="Transformer windows per worker (configs/lm.py trains 16).")
   parser.add_argument("--workloads", nargs="+", default=["mlp", "resnet18", "transformer"],
                       choices=["mlp", "resnet18", "transformer"])
+  parser.add_argument("--steps_per_call", type=int, nargs="+", default=[1, 16],
+                      help="Steps per compiled call to measure (the trainer's default is 16).")
   args = parser.parse_args(argv)
   if args.quick:
     args.steps, args.warmup, args.per_worker_batch, args.resnet_batch, args.lm_batch = (
         3, 1, 4, 2, 1)
     args.repeats = 2
-  results = [measure(name, args) for name in args.workloads]
+    args.steps_per_call = [k if k == 1 else 2 for k in args.steps_per_call]
+  results = [measure(name, args, k) for name in args.workloads for k in args.steps_per_call]
   result = {"devices": NUM_WORKERS, "num_stages": NUM_STAGES, "steps": args.steps,
             "repeats": args.repeats,
             "workloads": results, "machine": _common.machine()}
@@ -225,8 +256,9 @@ def main(argv=None):
   _common.write_json(out, result)
 
   for r in results:
-    print(f"== {r['workload']} (parameters {r['param_bytes'] / 1024:.0f} KiB)")
-    print(f"{'variant':<18}{'step ms':>9}{'peak KiB':>10}{'stale KiB':>10}{'copies':>7}")
+    print(f"== {r['workload']}, {r['steps_per_call']} step(s) per call "
+          f"(parameters {r['param_bytes'] / 1024:.0f} KiB)")
+    print(f"{'variant':<18}{'ms/step':>9}{'peak KiB':>10}{'stale KiB':>10}{'copies':>7}")
     for name, v in r["variants"].items():
       peak = f"{v['peak_bytes'] / 1024:.1f}" if "peak_bytes" in v else "-"
       print(f"{name:<18}{1e3 * v['median_step_s']:>9.2f}{peak:>10}"

@@ -1,4 +1,5 @@
-"""Figures read from compiled XLA programs: collectives, memory and FLOPs.
+"""Figures read from compiled XLA programs: collectives, memory and FLOPs; and
+the XLA options cdpjax's train steps are compiled with (`compiler_options`).
 
 `collectives` and the ``count`` and ``bytes`` of `collective_summary` are
 static: a collective inside a loop body (``lax.scan``) or a conditional branch
@@ -608,6 +609,23 @@ def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, di
   return {kind: {"count_min": float(total[0, 0, i]), "count_max": float(total[1, 0, i]),
                  "bytes_min": float(total[0, 1, i]), "bytes_max": float(total[1, 1, i])}
           for kind, i in column.items()}
+
+
+def compiler_options(mesh) -> dict[str, object]:
+  """XLA options for a train step on ``mesh``'s platform: ``jax.jit(compiler_options=...)``.
+
+  On the CPU, copy insertion's region analysis
+  (``xla_cpu_copy_insertion_use_region_analysis``, off by default). Without
+  it XLA copies a loop-carried version that changes place (``theta_t`` into
+  the stale slot of a ``lax.scan`` of steps) three times per step where one
+  suffices: the engine's cdp-v2 at ``bench_engine``'s MLP with 16 steps per
+  call compiled 96 ``copy`` instructions and 1.75 parameter sizes of peak
+  over dp; with it 35 and 1.00 (the stale copy itself). The GPU has the same
+  option (``xla_gpu_...``), not set: not measured here. The TPU's copy
+  insertion is left as it is (one copy per version in our AOT checks).
+  """
+  platform = np.asarray(mesh.devices).flat[0].platform
+  return {"xla_cpu_copy_insertion_use_region_analysis": True} if platform == "cpu" else {}
 
 
 def stablehlo_collectives(lowered_text: str) -> dict[str, int]:

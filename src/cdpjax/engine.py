@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cdpjax import schedule
+from cdpjax import compiled, schedule
 
 BACKENDS = ("shard_map", "pmap")
 
@@ -563,11 +563,13 @@ def make_train_step(
         f"with jax.make_mesh((num_workers,), ({axis_name!r},)) or pass axis_name=.")
   if scan_steps is not None and (int(scan_steps) != scan_steps or scan_steps < 1):
     raise ValueError(f"scan_steps must be a positive int or None, got {scan_steps!r}.")
-  # Inside a scan the slots must end where they began, so the versions shift
-  # (XLA copies them). A scan over groups of D + 1 unrolled, rotating steps
-  # copies nothing but costs more peak memory than the copies (measured at
-  # K = 8, 3-stage MLP, peak over dp in parameter sizes: CPU cdp-v1 +3.0
-  # against +1.67 shifting; TPU v5e AOT +1.40 against +1.10, one copy).
+  # Inside a scan the slots must end where they began, so the versions shift:
+  # XLA copies theta_t into each stale leaf's slot once a step (on the CPU with
+  # copy insertion's region analysis, `compiled.compiler_options`; three copies
+  # a leaf without it). A scan over groups of D + 1 unrolled, rotating steps
+  # copies nothing but was slower and held more peak memory (2026-12, CPU,
+  # digits MLP, K = 16: dp alone 1.2-1.3x slower, peak 6.1 against 4.0
+  # parameter sizes; TPU v5e AOT, K = 8: +1.40 over dp against +1.10).
   r = _resolve_rule(rule, stage_ids, int(mesh.shape[axis_name]), rotate=scan_steps is None)
   within = tuple(a for a in mesh.axis_names if a != axis_name)  # Axes inside a worker.
   if within and backend != "shard_map":
@@ -601,7 +603,7 @@ def _compile(body, r: _Rule, mesh, axis_name, within, backend, scan_steps, donat
   if backend == "shard_map" and within:
     return _compile_sharded(body, mesh, axis_name, within, scan_steps, delay_specs,
                             donate_argnums)
-  if backend == "shard_map":
+  if backend == "shard_map":  # (jax.pmap takes no compiler options: pmap compiles without.)
     batch_spec = P(axis_name) if scan_steps is None else P(None, axis_name)
     replicated = NamedSharding(mesh, P())
     # out_shardings: the state comes back placed exactly as it went in (the
@@ -610,7 +612,8 @@ def _compile(body, r: _Rule, mesh, axis_name, within, backend, scan_steps, donat
     run = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec, P()) + delay_specs,
                       out_specs=(P(), P())),
-        out_shardings=(replicated, replicated), donate_argnums=donate_argnums)
+        out_shardings=(replicated, replicated), donate_argnums=donate_argnums,
+        compiler_options=compiled.compiler_options(mesh))
     batch_sharding = NamedSharding(mesh, batch_spec)
     return (run, lambda state: _placed(state, replicated),
             lambda batch: _placed(batch, batch_sharding))
@@ -654,7 +657,7 @@ def _compile_sharded(body, mesh, axis_name, within, scan_steps, delay_specs, don
   run = jax.jit(
       jax.shard_map(body, mesh=mesh, in_specs=(P(), P(*lead, axis_name), P()) + delay_specs,
                     out_specs=(P(), P()), axis_names={axis_name}),
-      donate_argnums=donate_argnums)
+      donate_argnums=donate_argnums, compiler_options=compiled.compiler_options(mesh))
   return run, lambda state: place(state, state_spec), lambda batch: place(batch, batch_spec)
 
 

@@ -56,6 +56,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from cdpjax import compiled
 from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
@@ -406,7 +407,7 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
   run = jax.jit(
       jax.shard_map(body, mesh=mesh, in_specs=(state_spec, P(STAGE_AXIS), batch_spec),
                     out_specs=(state_spec, P(STAGE_AXIS), P(*axes))),
-      donate_argnums=donated)
+      donate_argnums=donated, compiler_options=compiled.compiler_options(mesh))
   ring = VersionRing(staged.param_size, tt.num_steps, stage_rows, donate)
 
   def prepare(state: StagedState, batch, abstract_ring=False):

@@ -66,6 +66,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from cdpjax import compiled
 from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
@@ -636,7 +637,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, batch_spec),
                          out_specs=(specs, P(axes)))(state, batch)
 
-  run = jax.jit(run, donate_argnums=(0,) if donate else ())
+  run = jax.jit(run, donate_argnums=(0,) if donate else (),
+                compiler_options=compiled.compiler_options(mesh))
 
   def prepare(state: StagedState, batch):
     executor_lib.check_versions(state, plan)
