@@ -89,7 +89,19 @@ def test_steps_per_call_divides_the_eval_and_checkpoint_intervals(requested, eva
                                                                   checkpoint_every, expected):
   c = load_config("digits", steps_per_call=requested, eval_every_steps=eval_every,
                   checkpoint_every_steps=checkpoint_every)
-  assert train.steps_per_call(c) == expected
+  assert train.steps_per_call(c) == (expected, "")
+
+
+@pytest.mark.parametrize("platform, parallelism, expected", [
+    ("cpu", "data", 1), ("cpu", "model", 16), ("tpu", "data", 16), ("gpu", "data", 16)])
+def test_the_engine_runs_a_convolutional_model_one_step_per_call_on_the_cpu(
+    platform, parallelism, expected):
+  c = load_config("cifar10_resnet18", steps_per_call=16, eval_every_steps=64,
+                  checkpoint_every_steps=64, parallelism=parallelism)
+  k, why = train.steps_per_call(c, platform)
+  assert k == expected and bool(why) == (expected == 1)
+  mlp = load_config("digits", steps_per_call=16, eval_every_steps=64, checkpoint_every_steps=64)
+  assert train.steps_per_call(mlp, "cpu") == (16, "")  # Not convolutional: the scan stays.
 
 
 @pytest.mark.parametrize("num_stages", [2, 4, 8])

@@ -113,14 +113,28 @@ def model_stage_ids(c, model, params, sample):
                                 train=False)
 
 
-def steps_per_call(c) -> int:
-  """``K``: the largest ``K <= steps_per_call`` dividing the eval and checkpoint intervals.
+_CPU_CONVOLUTIONS = (
+    "a convolutional model on the CPU, where XLA runs the backward convolutions of a loop "
+    "body on a slow path (jax issue 12868; ResNet-18 about 17x slower per step at 16 steps per "
+    "call in bench_engine)")
+
+
+def steps_per_call(c, platform: str | None = None) -> tuple[int, str]:
+  """``(K, why)``: the largest ``K <= steps_per_call`` dividing the eval and checkpoint intervals.
 
   Those steps then end a call, so one compiled ``K`` serves the whole run; a
-  logged step needs no call boundary (its metrics come with its call).
+  logged step needs no call boundary (its metrics come with its call). On
+  the ``"cpu"`` ``platform`` the engine (``parallelism="data"``) runs a
+  convolutional model one step per call (``why`` says so; empty otherwise):
+  the engine gains only dispatch time from a scan, and the CPU's scanned
+  backward convolutions cost far more. The executed schedules keep ``K``,
+  which removes their fill and drain.
   """
   every = math.gcd(c.eval_every_steps, c.checkpoint_every_steps)
-  return max(k for k in range(1, min(c.steps_per_call, every) + 1) if every % k == 0)
+  k = max(k for k in range(1, min(c.steps_per_call, every) + 1) if every % k == 0)
+  if k > 1 and platform == "cpu" and c.parallelism == "data" and models.is_convolutional(c.model):
+    return 1, _CPU_CONVOLUTIONS
+  return k, ""
 
 
 def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
@@ -143,12 +157,13 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
         mesh=mesh, loss_fn=tasks.cross_entropy, backend=c.backend,
         scan_steps=k if k > 1 else None)
 
-  num = steps_per_call(c)
+  num, why = steps_per_call(c, jax.default_backend())
   executors = {num: build(num)}
   plan = executors[num].plan
   idle = plan.idle_fraction(num)
   if jax.process_index() == 0:
-    print(f"cdpjax: {plan.describe()}{_mesh_words(c)}; steps per compiled call: {num}, idle fraction {idle:.3f} "
+    print(f"cdpjax: {plan.describe()}{_mesh_words(c)}; steps per compiled call: {num}"
+          f"{f' ({why})' if why else ''}, idle fraction {idle:.3f} "
           f"({plan.idle_fraction(1):.3f} at one step per call)", flush=True)
 
   def step(state, batches, norms):

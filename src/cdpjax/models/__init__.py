@@ -43,6 +43,12 @@ def has_batch_stats(name: str) -> bool:
   return name not in ("residual_mlp", "transformer")
 
 
+def is_convolutional(name: str) -> bool:
+  """Whether the model is built of convolutions (the ResNets)."""
+  _check_name(name)
+  return name in ("resnet18", "resnet50")
+
+
 def _check_name(name: str) -> None:
   if name not in _MODELS:
     raise ValueError(f"Unknown model {name!r}. Use one of {', '.join(MODELS)}.")
