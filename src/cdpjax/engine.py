@@ -570,14 +570,17 @@ def make_train_step(
   # copies nothing but was slower and held more peak memory (2026-12, CPU,
   # digits MLP, K = 16: dp alone 1.2-1.3x slower, peak 6.1 against 4.0
   # parameter sizes; TPU v5e AOT, K = 8: +1.40 over dp against +1.10).
-  # In a scan, cdp-v2's per-worker select writes a view beside both versions on
-  # some models (extra peak 1.88x the stale bytes, transformer of bench_engine;
-  # ordering the shift after the gradients with an optimization_barrier left it
-  # so). Carrying each worker's view of those leaves instead of theta_{t-1}, the
-  # call's last step peeled out of the scan to rotate (branch wip/carried-view,
-  # 2026-12), removed their copies and gave 1.04-1.06 there (ResNet-18 0.62)
-  # but not at small sizes (tests' MLP, K = 2: 2.05 against 1.01; K = 8: 1.13),
-  # and cdp-v2 ran 3-13% slower on the CPU MLP at K = 16: not used.
+  # In a scan cdp-v2's peak can exceed dp's by more than its stale bytes (1.88x
+  # them, transformer of bench_engine, K = 16). XLA:CPU's concurrency-optimized
+  # scheduler is the cause (1.08 with it off, but the MLP's cdp/dp at K = 16 then
+  # rises to 1.08-1.27 from 0.98-1.04); ordering the shift after the gradients
+  # (optimization_barrier) or recomputing the views in the backward
+  # (jax.checkpoint) left it so. Carrying each worker's view of the leaves read
+  # fresh by some workers instead of theta_{t-1}, with the call's last step
+  # peeled out of the scan to rotate (branch wip/carried-view, 2026-12), removed
+  # their copies and gave 1.04-1.06 (ResNet-18 0.62), but 2.05 at the tests' MLP
+  # with K = 2 (1.13 at K = 8; main 1.01), and cdp-v2 ran 3-13% slower on the
+  # CPU MLP at K = 16: not used.
   r = _resolve_rule(rule, stage_ids, int(mesh.shape[axis_name]), rotate=scan_steps is None)
   within = tuple(a for a in mesh.axis_names if a != axis_name)  # Axes inside a worker.
   if within and backend != "shard_map":
