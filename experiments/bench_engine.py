@@ -30,17 +30,21 @@ Each workload is measured with one step per compiled call and with 16 (the
 trainer's default, ``--steps_per_call``; the hand-written step then scans
 too). With one step per call the versions rotate through their buffers; in a
 ``lax.scan`` the carry keeps each version in its place, so ``theta_t`` is
-copied once per step into each stale leaf's slot, which the copy counts show.
-Times are per step. So are bytes accessed: XLA's cost analysis counts a loop
-body once, so a scanned call's figure is one step's (plus the call's own few
-bytes).
+copied once per step into each stale leaf's slot, which the copy counts show,
+except in the leaves some workers read fresh and others stale (cdp-v2's):
+there the stale slot carries each worker's view (``engine._carried_view_body``)
+and nothing is copied. Times are per step. So are bytes accessed: XLA's cost
+analysis counts a loop body once, so a scanned call's figure is one step's
+plus what the call does outside the loop (cdp-v2: the first step's views, a
+select of three parameter sizes).
 
 Calls are interleaved so machine drift hits all variants alike; warm-up
 (``--warmup`` steps, at least one call) is excluded and the median of
 ``--steps`` steps (``--steps // K`` calls, at least 3) is taken; that is repeated ``--repeats`` times from fresh states,
 and each ratio is the median of its repeats with their range printed beside
-it (the noise). Goals: every ratio <= 1.05; CDP's extra peak equal to its
-stale stages' bytes; no copies beyond the scan's shift.
+it (the noise). Goals: every ratio <= 1.05; CDP's extra peak at most its
+stale stages' bytes (+5%: XLA may place the stale version where dp leaves
+memory idle, so less is possible); no copies beyond the scan's shift.
 
   python experiments/bench_engine.py          # results/bench_engine/bench_engine.json
   python experiments/bench_engine.py --quick  # seconds
@@ -216,11 +220,11 @@ def measure(name: str, args, steps_per_call: int) -> dict:
       "goals_met": {
           "ratios<=1.05": all(ratios[k] <= 1.05 for k in ("cdp-v1/dp", "cdp-v2/dp",
                                                            "engine dp/plain dp")),
-          "extra peak = stale bytes (5%)": all(
-              abs(extra[rule] - rows[f"engine {rule}"]["stale_bytes"])
-              <= 0.05 * rows[f"engine {rule}"]["stale_bytes"] for rule in extra),
+          "extra peak <= stale bytes (+5%)": all(
+              extra[rule] <= 1.05 * rows[f"engine {rule}"]["stale_bytes"] for rule in extra),
           # One step per call rotates the versions in place; a scan's carry keeps each
-          # version in its place, so theta_t is copied once into each stale leaf's slot.
+          # version in its place, so theta_t is copied once into each stale leaf's slot
+          # (none where the slot carries the workers' views).
           "no parameter copies beyond the scan's shift": all(
               rows[f"engine {rule}"]["parameter_copies"]
               <= (rows[f"engine {rule}"]["stale_leaves"] if scan_steps else 0)

@@ -146,12 +146,13 @@ def _version_leaves(state) -> list[list]:
           for tree in (state.params,) + tuple(state.stale_params)]
 
 
-def _worker_view(ages, stage_of_leaf, delays, axis_name):
+def _worker_view(ages, stage_of_leaf, delays, axis_name, given=None):
   """This worker's parameter leaves: the leaf of stage ``j`` taken from age ``d[i, j]``.
 
-  ``ages[a]`` holds the leaves of ``theta_{t-a}``. The result is marked varying
-  over ``axis_name``, so its gradient is this worker's own (a replicated
-  input's gradient would come back already summed).
+  ``ages[a]`` holds the leaves of ``theta_{t-a}``; ``given`` (``{leaf: view}``)
+  the leaves a scan carries ready-made (`_carried_view_body`). The result is
+  marked varying over ``axis_name``, so its gradient is this worker's own (a
+  replicated input's gradient would come back already summed).
 
   A select per leaf costs cdp-v2 three parameter sizes of traffic a step. A
   ``lax.switch`` with one branch per distinct row, reading in place, was tried
@@ -161,6 +162,9 @@ def _worker_view(ages, stage_of_leaf, delays, axis_name):
   row = jnp.asarray(delays)[jax.lax.axis_index(axis_name)]
   view = []
   for k, stage in enumerate(stage_of_leaf):
+    if given and k in given:
+      view.append(given[k])
+      continue
     column = sorted(set(delays[:, stage].tolist()))
     leaf = jax.lax.pcast(ages[column[0]][k], axis_name, to="varying")
     for age in column[1:]:  # No select where every worker reads the same version.
@@ -417,21 +421,21 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
   it, the reduced gradients are split back, and the new state leaves sharded
   as it came (explicit axes type a scan carry by its sharding).
   """
-  slots_of = r.slots
-
   def one_step(state: CyclicState, phase: int, batch, want_norms, delays_NxJ=None):
+    new_state, metrics, _ = step_of(state, phase, batch, want_norms, delays_NxJ)
     if not sharded:
-      return step_of(state, phase, batch, want_norms, delays_NxJ)
-    new_state, metrics = step_of(state, phase, batch, want_norms, delays_NxJ)
+      return new_state, metrics
     return jax.tree.map(_resharded_like, new_state, state), metrics
 
-  def step_of(state: CyclicState, phase: int, batch, want_norms, delays_NxJ=None):
+  def step_of(state: CyclicState, phase: int, batch, want_norms, delays_NxJ=None, *,
+              slots=r.slots, given=None):
+    """The step, and the leaves of ``theta_t`` and of its update."""
     treedef = jax.tree.structure(state.params, is_leaf=_is_none)
-    ages = slots_of.ages(_version_leaves(state), phase)
+    ages = slots.ages(_version_leaves(state), phase)
     if r.dynamic:
       view = _dynamic_worker_view(ages, r.stage_of_leaf, delays_NxJ, axis_name)
     else:
-      view = _worker_view(ages, r.stage_of_leaf, r.delays, axis_name)
+      view = _worker_view(ages, r.stage_of_leaf, r.delays, axis_name, given)
     view = jax.tree.unflatten(treedef, view)
     model_state = state.model_state
     if sharded:  # Gathered in the worker: its gradients (and new model state) come out whole.
@@ -452,11 +456,13 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
     metrics = {"loss": loss, **_norms(want_norms, grads, params, r.stage_of_leaf, r.num_stages)}
     if r.dynamic:
       metrics["mean_delay"] = jnp.mean(delays_NxJ.astype(jnp.float32))
-    slots = slots_of.advance(_version_leaves(state), jax.tree.leaves(params), phase)
-    state = _with_versions(state, slots, treedef)._replace(
+    new_leaves = jax.tree.leaves(params)
+    state = _with_versions(state, slots.advance(_version_leaves(state), new_leaves, phase),
+                           treedef)._replace(
         step=state.step + 1, opt_state=opt_state, model_state=model_state)
-    return state, metrics
+    return state, metrics, (ages[0], jax.tree.leaves(updates))
 
+  one_step.step_of = step_of  # For `_carried_view_body`.
   return one_step
 
 
@@ -473,6 +479,76 @@ def _body_fn(one_step, scan_steps: int | None):
   def body(state, batches, want_norms, *delays):
     return jax.lax.scan(lambda s, xs: one_step(s, 0, *xs), state,
                         (batches, want_norms) + delays)
+
+  return body
+
+
+def _carried_leaves(r: _Rule, scan_steps: int | None, within, backend: str) -> tuple[bool, ...]:
+  """The leaves whose worker views a scan carries (`_carried_view_body`); none where it does not.
+
+  In a ``shard_map`` scan of a fixed rule with one stale version, the leaves
+  some workers read fresh and others stale; elsewhere (one step per call,
+  general staleness, delays that are data, a worker sharded inside, pmap) the
+  versions rotate or shift as `_Slots` says.
+  """
+  if scan_steps is None or r.dynamic or r.num_stale != 1 or within or backend != "shard_map":
+    return (False,) * len(r.stage_of_leaf)
+  return tuple(len(set(r.delays[:, stage].tolist())) > 1 for stage in r.stage_of_leaf)
+
+
+def _carried_view_body(step_of, r: _Rule, axis_name: str, scan_steps: int, carried):
+  """``K`` steps that carry each worker's view of the ``carried`` leaves instead of ``theta_{t-1}``.
+
+  A scan's carry keeps each buffer in its place, so the versions cannot
+  rotate: the per-worker select of a leaf some workers read stale writes a view
+  beside both versions, and shifting ``theta_t`` into the stale slot copies it
+  (cdp-v2's extra peak over dp was 1.17 and 1.88 times its stale bytes for
+  ResNet-18 and the transformer of bench_engine, 2026-12). Instead the stale
+  slot carries the view: once the update is known, the view of step ``t+1``
+  (``theta_t`` where the worker reads stale, ``theta_{t+1}`` where fresh) is
+  written over the view of step ``t``, which the gradients no longer need.
+  After the last step every worker writes ``theta_t`` there, so the call
+  returns the state's usual versions, equal on all workers.
+
+  ``theta_{t+1}`` is recomputed as ``optax.apply_updates`` does (same
+  rounding), from ``theta_t`` and the update, so XLA can write the view before
+  ``theta_{t+1}`` overwrites ``theta_t`` in place; reading the new parameters
+  instead made it keep a third version at small sizes (2.0x the stale bytes
+  at the tests' MLP). The final view is typed varying over the workers though
+  it is the same on each, so the ``shard_map`` of this body is built with
+  ``check_vma=False`` (JAX 0.10 has no varying-to-invariant cast).
+  """
+  in_scan = _Slots(tuple(0 if c else m for c, m in zip(carried, r.slots.depths)), False)
+  keys = [k for k, c in enumerate(carried) if c]
+
+  def next_view(fresh, updates, last):  # theta_{t+1-d[i, j]}; theta_t after the last step.
+    row = jnp.asarray(r.delays)[jax.lax.axis_index(axis_name)]
+    # The barrier keeps XLA from merging this sum with the update's (the view would
+    # then wait for theta_{t+1}, which could no longer overwrite theta_t).
+    return [jnp.where((row[r.stage_of_leaf[k]] == 0) & ~last,
+                      (fresh[k] + jax.lax.optimization_barrier(updates[k])).astype(fresh[k].dtype),
+                      fresh[k]) for k in keys]
+
+  def body(state, batches, want_norms):
+    treedef = jax.tree.structure(state.params, is_leaf=_is_none)
+    versions = _version_leaves(state)
+    view = _worker_view(r.slots.ages(versions, 0), r.stage_of_leaf, r.delays, axis_name)
+    versions[1] = [None if c else x for c, x in zip(carried, versions[1])]
+    state = _with_versions(state, versions, treedef)
+
+    def step(carry, xs):
+      state, view = carry
+      *xs, i = xs
+      state, metrics, (fresh, updates) = step_of(state, 0, *xs, slots=in_scan,
+                                                 given=dict(zip(keys, view)))
+      return (state, next_view(fresh, updates, i == scan_steps - 1)), metrics
+
+    carry = (state, [view[k] for k in keys])
+    (state, view), metrics = jax.lax.scan(step, carry, (batches, want_norms, jnp.arange(scan_steps)))
+    versions = _version_leaves(state)
+    for k, v in zip(keys, view):
+      versions[1][k] = v
+    return _with_versions(state, versions, treedef), metrics
 
   return body
 
@@ -569,18 +645,9 @@ def make_train_step(
   # a leaf without it). A scan over groups of D + 1 unrolled, rotating steps
   # copies nothing but was slower and held more peak memory (2026-12, CPU,
   # digits MLP, K = 16: dp alone 1.2-1.3x slower, peak 6.1 against 4.0
-  # parameter sizes; TPU v5e AOT, K = 8: +1.40 over dp against +1.10).
-  # In a scan cdp-v2's peak can exceed dp's by more than its stale bytes (1.88x
-  # them, transformer of bench_engine, K = 16). XLA:CPU's concurrency-optimized
-  # scheduler is the cause (1.08 with it off, but the MLP's cdp/dp at K = 16 then
-  # rises to 1.08-1.27 from 0.98-1.04); ordering the shift after the gradients
-  # (optimization_barrier) or recomputing the views in the backward
-  # (jax.checkpoint) left it so. Carrying each worker's view of the leaves read
-  # fresh by some workers instead of theta_{t-1}, with the call's last step
-  # peeled out of the scan to rotate (branch wip/carried-view, 2026-12), removed
-  # their copies and gave 1.04-1.06 (ResNet-18 0.62), but 2.05 at the tests' MLP
-  # with K = 2 (1.13 at K = 8; main 1.01), and cdp-v2 ran 3-13% slower on the
-  # CPU MLP at K = 16: not used.
+  # parameter sizes; TPU v5e AOT, K = 8: +1.40 over dp against +1.10). The
+  # leaves some workers read fresh and others stale carry each worker's view
+  # in the stale slot instead, and copy nothing (`_carried_view_body`).
   r = _resolve_rule(rule, stage_ids, int(mesh.shape[axis_name]), rotate=scan_steps is None)
   within = tuple(a for a in mesh.axis_names if a != axis_name)  # Axes inside a worker.
   if within and backend != "shard_map":
@@ -591,10 +658,14 @@ def make_train_step(
         f"The axes inside a worker {within} must be Explicit (the state's sharding is typed): "
         f"build the mesh with jax.make_mesh(shape, names), or pass "
         "axis_types=(jax.sharding.AxisType.Explicit,) * len(names).")
-  body = _body_fn(_one_step_fn(loss_fn, tx, r, axis_name, with_model_state, sharded=bool(within)),
-                  scan_steps)
+  one_step = _one_step_fn(loss_fn, tx, r, axis_name, with_model_state, sharded=bool(within))
+  carried = _carried_leaves(r, scan_steps, within, backend)
+  if any(carried):
+    body = _carried_view_body(one_step.step_of, r, axis_name, scan_steps, carried)
+  else:
+    body = _body_fn(one_step, scan_steps)
   run, place_state, place_batch = _compile(body, r, mesh, axis_name, within, backend, scan_steps,
-                                           donate)
+                                           donate, check_vma=not any(carried))
   prepare = _prepare_fn(r, jax.tree.structure(stage_ids), scan_steps, backend, place_state,
                         place_batch)
   count = scan_steps or 1
@@ -607,7 +678,8 @@ def make_train_step(
                    rule=rule if r.dynamic else None, scan_steps=scan_steps)
 
 
-def _compile(body, r: _Rule, mesh, axis_name, within, backend, scan_steps, donate):
+def _compile(body, r: _Rule, mesh, axis_name, within, backend, scan_steps, donate,
+             check_vma=True):
   """The jitted (or pmapped) program, and functions that place its state and batch."""
   donate_argnums = (0,) if donate else ()
   delay_specs = (P(),) if r.dynamic else ()
@@ -622,7 +694,7 @@ def _compile(body, r: _Rule, mesh, axis_name, within, backend, scan_steps, donat
     # it nor compiles again.
     run = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec, P()) + delay_specs,
-                      out_specs=(P(), P())),
+                      out_specs=(P(), P()), check_vma=check_vma),
         out_shardings=(replicated, replicated), donate_argnums=donate_argnums,
         compiler_options=compiled.compiler_options(mesh))
     batch_sharding = NamedSharding(mesh, batch_spec)
