@@ -523,11 +523,16 @@ def _carried_view_body(step_of, r: _Rule, axis_name: str, scan_steps: int, carri
 
   def next_view(fresh, updates, last):  # theta_{t+1-d[i, j]}; theta_t after the last step.
     row = jnp.asarray(r.delays)[jax.lax.axis_index(axis_name)]
-    # The barrier keeps XLA from merging this sum with the update's (the view would
-    # then wait for theta_{t+1}, which could no longer overwrite theta_t).
-    return [jnp.where((row[r.stage_of_leaf[k]] == 0) & ~last,
-                      (fresh[k] + jax.lax.optimization_barrier(updates[k])).astype(fresh[k].dtype),
-                      fresh[k]) for k in keys]
+    views = []
+    for k in keys:
+      reads_fresh = (row[r.stage_of_leaf[k]] == 0) & ~last
+      # The update this view takes: not the update's own sum, which XLA would merge
+      # with this one (the view would then wait for theta_{t+1}, which could no
+      # longer overwrite theta_t). An optimization_barrier did as well on the CPU
+      # but held more on the TPU (ResNet-18: 1.27 of the stale bytes against 1.03).
+      update = jnp.where(reads_fresh, updates[k], 0)
+      views.append(jnp.where(reads_fresh, (fresh[k] + update).astype(fresh[k].dtype), fresh[k]))
+    return views
 
   def body(state, batches, want_norms):
     treedef = jax.tree.structure(state.params, is_leaf=_is_none)
