@@ -414,7 +414,9 @@ def _resolve_rule(rule, stage_ids, num_workers: int, rotate: bool) -> _Rule:
 
 def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
                  sharded: bool = False):
-  """``one_step(state_in_slots, phase, batch, delays_NxJ) -> (state_in_slots, metrics)``.
+  """``one_step(state_in_slots, phase, batch, delays_NxJ) -> (state_in_slots, metrics)``,
+  and ``step_of``, the same step that also returns ``theta_t``'s leaves and
+  their update (for `_carried_view_body`), with the slots and views it is given.
 
   ``sharded``: the state is sharded inside each worker, over the mesh's other
   axes, which the ``shard_map`` leaves to the compiler. The worker's view is gathered there before the loss reads
@@ -456,14 +458,12 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
     metrics = {"loss": loss, **_norms(want_norms, grads, params, r.stage_of_leaf, r.num_stages)}
     if r.dynamic:
       metrics["mean_delay"] = jnp.mean(delays_NxJ.astype(jnp.float32))
-    new_leaves = jax.tree.leaves(params)
-    state = _with_versions(state, slots.advance(_version_leaves(state), new_leaves, phase),
-                           treedef)._replace(
+    slots = slots.advance(_version_leaves(state), jax.tree.leaves(params), phase)
+    state = _with_versions(state, slots, treedef)._replace(
         step=state.step + 1, opt_state=opt_state, model_state=model_state)
     return state, metrics, (ages[0], jax.tree.leaves(updates))
 
-  one_step.step_of = step_of  # For `_carried_view_body`.
-  return one_step
+  return one_step, step_of
 
 
 def _resharded_like(x, like):
@@ -663,10 +663,11 @@ def make_train_step(
         f"The axes inside a worker {within} must be Explicit (the state's sharding is typed): "
         f"build the mesh with jax.make_mesh(shape, names), or pass "
         "axis_types=(jax.sharding.AxisType.Explicit,) * len(names).")
-  one_step = _one_step_fn(loss_fn, tx, r, axis_name, with_model_state, sharded=bool(within))
+  one_step, step_of = _one_step_fn(loss_fn, tx, r, axis_name, with_model_state,
+                                    sharded=bool(within))
   carried = _carried_leaves(r, scan_steps, within, backend)
   if any(carried):
-    body = _carried_view_body(one_step.step_of, r, axis_name, scan_steps, carried)
+    body = _carried_view_body(step_of, r, axis_name, scan_steps, carried)
   else:
     body = _body_fn(one_step, scan_steps)
   run, place_state, place_batch = _compile(body, r, mesh, axis_name, within, backend, scan_steps,
