@@ -1,6 +1,6 @@
 """The engine's overhead: CDP rules against DP, and the engine against plain DP.
 
-On 8 emulated CPU devices in one process, for three workloads — the digits
+On 8 emulated CPU devices in one process (``--workers``), for three workloads — the digits
 residual MLP (memory-bound: a few FLOPs per parameter), a ResNet-18 on
 CIFAR-sized images at a quarter of its width (compute-bound) and the
 quick-start transformer of ``configs/lm.py`` (4 blocks, ``d_model`` 64,
@@ -38,6 +38,15 @@ analysis counts a loop body once, so a scanned call's figure is one step's
 plus what the call does outside the loop (cdp-v2: the first step's views, a
 select of three parameter sizes).
 
+Whether a rule's compiled step runs exactly dp's operations (``same_ops_as_dp``:
+the same instructions and shapes, only other buffers read and written) is
+read from the HLO. With one step per call cdp-v1 does (every worker reads
+every stage stale), so its time ratio to dp is what this machine and XLA's
+CPU runtime make of the same work: the noise floor of the other ratios. With
+8 emulated devices on 2 cores every collective waits on the OS scheduler;
+``--workers 2 --per_worker_batch 128`` keeps the global batch with one device
+per core.
+
 Calls are interleaved so machine drift hits all variants alike; warm-up
 (``--warmup`` steps, at least one call) is excluded and the median of
 ``--steps`` steps (``--steps // K`` calls, at least 3) is taken; that is repeated ``--repeats`` times from fresh states,
@@ -67,7 +76,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from cdpjax import compiled, engine, models, stages  # noqa: E402
 
-NUM_WORKERS = 8
 NUM_STAGES = 4
 RULES = ("dp", "cdp-v1", "cdp-v2")
 
@@ -92,14 +100,14 @@ def plain_dp_step(loss_fn, tx, mesh, scan_steps: int | None):
                  compiler_options=compiled.compiler_options(mesh))
 
 
-def workload(name: str, quick: bool, per_worker_batch: int):
+def workload(name: str, quick: bool, per_worker_batch: int, num_workers: int = 8):
   """``(model, batch, stage cut, optimizer)`` of a workload; BatchNorm runs in eval mode.
 
   The transformer's batch is next-byte pairs, as ``cdpjax.tasks`` feeds it:
   ``image`` the input bytes, ``label`` the bytes one position later.
   """
   rng = np.random.default_rng(0)
-  n = NUM_WORKERS * per_worker_batch
+  n = num_workers * per_worker_batch
   if name == "transformer":
     size = dict(num_layers=4, d_model=32, num_heads=2, d_ff=64, seq_len=16) if quick else dict(
         num_layers=4, d_model=64, num_heads=4, d_ff=256, seq_len=64)  # configs/lm.py's quick.
@@ -136,6 +144,21 @@ def parameter_copies(hlo_text: str, params) -> int:
              and line.split("=")[1].split("{")[0].strip() in shapes)
 
 
+def operations(hlo_text: str) -> list[str]:
+  """The program's instructions as ``shape opcode(...)`` without names: what it computes, not where.
+
+  Parameters, tuples and their elements are left out (a rule with a stale
+  version takes and returns more buffers); so are operand names and metadata.
+  """
+  ops = []
+  for line in hlo_text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%\S+ = (.*)", line)
+    if not m or re.search(r" (parameter|tuple|get-tuple-element)\(", m.group(1)):
+      continue
+    ops.append(re.sub(r"%[\w.\-]+", "%", m.group(1).split(", metadata=")[0]))
+  return ops
+
+
 def bytes_accessed(program) -> float:
   """XLA's count of the bytes a compiled step reads and writes (``cost_analysis``)."""
   analysis = program.cost_analysis()
@@ -146,10 +169,10 @@ def bytes_accessed(program) -> float:
 
 def measure(name: str, args, steps_per_call: int) -> dict:
   """One workload's figures with ``steps_per_call`` steps per compiled call (times per step)."""
-  mesh = jax.make_mesh((NUM_WORKERS,), ("data",))
+  mesh = jax.make_mesh((args.workers,), ("data",))  # The first --workers devices.
   per_worker_batch = {"mlp": args.per_worker_batch, "resnet18": args.resnet_batch,
                       "transformer": args.lm_batch}[name]
-  model, batch, cut, tx = workload(name, args.quick, per_worker_batch)
+  model, batch, cut, tx = workload(name, args.quick, per_worker_batch, args.workers)
   sample = batch["image"][:1]
   scan_steps = steps_per_call if steps_per_call > 1 else None
   if scan_steps:  # The same rows every step: [K, N * b, ...].
@@ -165,18 +188,20 @@ def measure(name: str, args, steps_per_call: int) -> dict:
 
   device_batch = jax.device_put(
       batch, NamedSharding(mesh, P("data") if scan_steps is None else P(None, "data")))
-  programs, rows = {}, {}
+  programs, rows, ops = {}, {}, {}
   for rule in RULES:
     step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
                                   scan_steps=scan_steps)
     state = step.init(params)
     program = step.lower(state, device_batch, norms=False).compile()
     stale = jax.tree.leaves(state.stale_params)
+    ops[rule] = operations(program.as_text())
     rows[f"engine {rule}"] = {**compiled.memory(program),
                               "stale_bytes": sum(x.nbytes for x in stale),
                               "stale_leaves": len(stale),
                               "parameter_copies": parameter_copies(program.as_text(), params),
-                              "bytes_accessed": bytes_accessed(program)}
+                              "bytes_accessed": bytes_accessed(program),
+                              "same_ops_as_dp": ops[rule] == ops["dp"]}
     programs[f"engine {rule}"] = (lambda s, b, step=step: step(s, b, norms=False),
                                   lambda step=step: step.init(params))
     if rule == "dp":
@@ -238,6 +263,8 @@ def main(argv=None):
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--repeats", type=int, default=3,
                       help="Interleaved timings from fresh states; ratios are their median.")
+  parser.add_argument("--workers", type=int, default=8,
+                      help="Data-parallel workers: emulated devices used (at most 8).")
   parser.add_argument("--per_worker_batch", type=int, default=32, help="MLP rows per worker.")
   parser.add_argument("--resnet_batch", type=int, default=8, help="ResNet images per worker.")
   parser.add_argument("--lm_batch", type=int, default=4,
@@ -247,13 +274,16 @@ def main(argv=None):
   parser.add_argument("--steps_per_call", type=int, nargs="+", default=[1, 16],
                       help="Steps per compiled call to measure (the trainer's default is 16).")
   args = parser.parse_args(argv)
+  if not 1 <= args.workers <= len(jax.devices()):
+    parser.error(f"--workers {args.workers}: this process has {len(jax.devices())} devices "
+                 "(set XLA_FLAGS=--xla_force_host_platform_device_count=N for more).")
   if args.quick:
     args.steps, args.warmup, args.per_worker_batch, args.resnet_batch, args.lm_batch = (
         3, 1, 4, 2, 1)
     args.repeats = 2
     args.steps_per_call = [k if k == 1 else 2 for k in args.steps_per_call]
   results = [measure(name, args, k) for name in args.workloads for k in args.steps_per_call]
-  result = {"devices": NUM_WORKERS, "num_stages": NUM_STAGES, "steps": args.steps,
+  result = {"devices": args.workers, "num_stages": NUM_STAGES, "steps": args.steps,
             "repeats": args.repeats,
             "workloads": results, "machine": _common.machine()}
   out = _common.results_dir(args) / "bench_engine.json"
@@ -262,11 +292,13 @@ def main(argv=None):
   for r in results:
     print(f"== {r['workload']}, {r['steps_per_call']} step(s) per call "
           f"(parameters {r['param_bytes'] / 1024:.0f} KiB)")
-    print(f"{'variant':<18}{'ms/step':>9}{'peak KiB':>10}{'stale KiB':>10}{'copies':>7}")
+    print(f"{'variant':<18}{'ms/step':>9}{'peak KiB':>10}{'stale KiB':>10}{'copies':>7}"
+          f"{'dp ops':>7}")
     for name, v in r["variants"].items():
       peak = f"{v['peak_bytes'] / 1024:.1f}" if "peak_bytes" in v else "-"
+      same = {True: "same", False: "more"}.get(v.get("same_ops_as_dp"), "")
       print(f"{name:<18}{1e3 * v['median_step_s']:>9.2f}{peak:>10}"
-            f"{v.get('stale_bytes', 0) / 1024:>10.1f}{v.get('parameter_copies', ''):>7}")
+            f"{v.get('stale_bytes', 0) / 1024:>10.1f}{v.get('parameter_copies', ''):>7}{same:>7}")
     for name, v in r["ratios"].items():
       low, high = r["ratio_range_over_repeats"][name]
       print(f"  {name:<20}{v:.3f}  ({low:.3f}-{high:.3f} over {args.repeats} repeats)")

@@ -127,6 +127,19 @@ def test_bench_engine_quick(tmp_path):
   # reads two versions and writes one: three parameter sizes more.
   traffic = mlp["extra_bytes_accessed_over_dp_in_params"]
   assert abs(traffic["engine cdp-v1"]) < 0.05 and 2.9 < traffic["engine cdp-v2"] < 3.2
+  # So cdp-v1's step is dp's operations on other buffers (its time ratio is the noise
+  # floor); cdp-v2 adds the selects, and the scan the copies.
+  assert mlp["variants"]["engine cdp-v1"]["same_ops_as_dp"]
+  assert not mlp["variants"]["engine cdp-v2"]["same_ops_as_dp"]
+  assert not scanned["variants"]["engine cdp-v1"]["same_ops_as_dp"]
+  # Fewer workers than devices (BENCHMARKS.md: one emulated device per core).
+  two = _script("bench_engine").main(["--quick", "--results_dir", str(tmp_path / "two"),
+                                      "--workloads", "mlp", "--workers", "2",
+                                      "--steps_per_call", "1"])
+  assert two["devices"] == 2 and two["workloads"][0]["per_worker_batch"] == 4
+  assert two["workloads"][0]["variants"]["engine cdp-v1"]["same_ops_as_dp"]
+  with pytest.raises(SystemExit):
+    _script("bench_engine").main(["--quick", "--workers", "9"])
 
 
 def test_bench_overlap_quick(tmp_path):
