@@ -51,14 +51,29 @@ def interleaved_step_times(programs: dict, *, steps: int, warmup: int) -> dict:
   return {name: float(statistics.median(t)) for name, t in times.items()}
 
 
+def pin_cpus(count: int) -> list[int]:
+  """Runs this process on the first ``count`` CPUs it may use; call it before JAX's CPU client starts.
+
+  XLA's CPU runtime splits a loop fusion into tasks for its thread pool (one
+  thread per CPU the process may use); on this shared 2-core machine handing a
+  task to the other core cost 0.6-2.4 ms in 5 of 6 processes, a 40-150x
+  slowdown of a 0.5 MB concatenate that took 0.016 ms in all 6 pinned ones
+  (BENCHMARKS.md). Threads started after the call inherit the CPUs.
+  """
+  cpus = sorted(os.sched_getaffinity(0))[:count]
+  os.sched_setaffinity(0, cpus)
+  return cpus
+
+
 def machine() -> dict:
-  """What the figures were measured on: CPU model, cores, Python, jax, date."""
+  """What the figures were measured on: CPU model, cores (and those used), Python, jax, date."""
   cpu = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
       cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
   except (OSError, StopIteration):
     pass
-  return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+  return {"cpu": cpu, "cores": os.cpu_count(), "cores_used": len(os.sched_getaffinity(0)),
+          "python": platform.python_version(),
           "jax": importlib.metadata.version("jax"),
           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -42,10 +42,15 @@ Whether a rule's compiled step runs exactly dp's operations (``same_ops_as_dp``:
 the same instructions and shapes, only other buffers read and written) is
 read from the HLO. With one step per call cdp-v1 does (every worker reads
 every stage stale), so its time ratio to dp is what this machine and XLA's
-CPU runtime make of the same work: the noise floor of the other ratios. With
-8 emulated devices on 2 cores every collective waits on the OS scheduler;
-``--workers 2 --per_worker_batch 128`` keeps the global batch with one device
-per core.
+CPU runtime make of the same work: the noise floor of the other ratios.
+
+Run as a script, the benchmark pins itself to one CPU (``--cpus``) before JAX
+starts: XLA's CPU runtime hands parts of a fusion to its thread pool, and on a
+shared 2-core machine that handoff cost up to 2.4 ms at random per process
+(``_common.pin_cpus``). On one CPU the emulated devices take turns, so a ratio
+is one of total work, which is what a rule changes on every device alike.
+``--workers`` uses fewer of the 8 devices (``--per_worker_batch`` keeps the
+global batch).
 
 Calls are interleaved so machine drift hits all variants alike; warm-up
 (``--warmup`` steps, at least one call) is excluded and the median of
@@ -257,12 +262,15 @@ def measure(name: str, args, steps_per_call: int) -> dict:
   }
 
 
-def main(argv=None):
+def main(argv=None, pin=False):
+  """The benchmark; ``pin``: apply ``--cpus`` (only before JAX's CPU client starts, as a script)."""
   parser = _common.parser("bench_engine", __doc__)
   parser.add_argument("--steps", type=int, default=30, help="Timed steps per variant.")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--repeats", type=int, default=3,
                       help="Interleaved timings from fresh states; ratios are their median.")
+  parser.add_argument("--cpus", type=int, default=1,
+                      help="Run on this many CPUs (0: all) when started as a script.")
   parser.add_argument("--workers", type=int, default=8,
                       help="Data-parallel workers: emulated devices used (at most 8).")
   parser.add_argument("--per_worker_batch", type=int, default=32, help="MLP rows per worker.")
@@ -274,6 +282,8 @@ def main(argv=None):
   parser.add_argument("--steps_per_call", type=int, nargs="+", default=[1, 16],
                       help="Steps per compiled call to measure (the trainer's default is 16).")
   args = parser.parse_args(argv)
+  if pin and args.cpus:
+    _common.pin_cpus(args.cpus)
   if not 1 <= args.workers <= len(jax.devices()):
     parser.error(f"--workers {args.workers}: this process has {len(jax.devices())} devices "
                  "(set XLA_FLAGS=--xla_force_host_platform_device_count=N for more).")
@@ -311,4 +321,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  main(pin=True)
