@@ -210,6 +210,25 @@ def test_the_engine_does_not_replace_a_placed_state():
   assert all(a is b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(state)))
 
 
+def test_only_the_state_a_step_returned_skips_its_checks():
+  mesh = jax.make_mesh((8,), ("data",))
+  params = {"w": np.ones((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+  tx = optax.sgd(0.1)
+  step = engine.make_train_step(lambda p, b: ((b["x"] @ p["w"] + p["b"][None]) ** 2).mean(), tx,
+                                stage_ids={"w": 0, "b": 1}, rule="cdp-v2", mesh=mesh)
+  batch = {"x": np.arange(64, dtype=np.float32).reshape(16, 4) / 64}
+  state, _ = step(step.init(params), batch)
+  host = jax.tree.map(np.asarray, state)  # The same numbers, not the step's arrays.
+  assert step._is_returned(state) and not step._is_returned(host)
+  own, own_metrics = step(state, batch)  # Neither checked nor placed again.
+  checked, checked_metrics = step(host, batch)  # Placed and checked.
+  for a, b in zip(jax.tree.leaves((own, own_metrics)), jax.tree.leaves((checked, checked_metrics))):
+    np.testing.assert_array_equal(a, b)
+  assert step._is_returned(checked) and not step._is_returned(own)
+  with pytest.raises(ValueError, match="stage_ids do not match params"):
+    step(checked._replace(params={"w": checked.params["w"]}), batch)
+
+
 @pytest.mark.skipif(os.getuid() == 0, reason="root writes in read-only directories")
 def test_a_read_only_workdir_is_a_clear_error(tmp_path):
   os.chmod(tmp_path, 0o500)

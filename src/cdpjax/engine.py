@@ -12,6 +12,7 @@ per-step matrix is an input of the compiled step, so it may change every step.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -325,6 +326,10 @@ class TrainStep:
   ``delays`` it reads them from the rule at the state's step: the step of a
   state this ``TrainStep`` returned is known on the host, so only a foreign
   state costs a device-to-host read of ``state.step``.
+
+  The state this step last returned (the same arrays in the same tree) is
+  neither checked nor placed again: it is the program's output, placed by its
+  ``out_shardings`` with the versions the rule reads.
   """
   run: Callable
   prepare: Callable
@@ -333,6 +338,21 @@ class TrainStep:
   rule: Any = None
   scan_steps: int | None = None
   _host_step: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+  _returned: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+  def _is_returned(self, state) -> bool:
+    """Whether ``state`` holds exactly the arrays of the state this step last returned."""
+    refs = self._returned.get("refs")
+    if refs is None:
+      return False
+    leaves, treedef = jax.tree.flatten(state)
+    return (treedef == self._returned["treedef"] and len(leaves) == len(refs)
+            and all(ref() is x for ref, x in zip(refs, leaves)))
+
+  def _remember(self, state) -> None:
+    # Weak references: a state the caller drops is not kept alive here.
+    leaves, treedef = jax.tree.flatten(state)
+    self._returned.update(treedef=treedef, refs=[weakref.ref(x) for x in leaves])
 
   def _step_of(self, state) -> int:
     if self._host_step.get("array") is state.step:
@@ -355,19 +375,23 @@ class TrainStep:
     return delays.astype(np.int32)
 
   def __call__(self, state, batch, delays=None, *, norms=True):
+    placed = self._is_returned(state)
     if self.rule is None:
       if delays is not None:
         raise ValueError("This step's delays are fixed; pass delays only with a schedule.DelayRule.")
-      return self.finish(*self.run(*self.prepare(state, batch, norms)))
-    count = self.scan_steps or 1
-    step = None
-    if delays is None:
-      step = self._step_of(state)
-      delays = self.rule.window(step, count) if self.scan_steps else self.rule(step)
-    new_state, metrics = self.finish(*self.run(*self.prepare(state, batch, norms,
-                                                             self._check_delays(delays))))
-    if step is not None:  # Spares the next call a device-to-host read of the step.
-      self._host_step.update(array=new_state.step, step=step + count)
+      new_state, metrics = self.finish(*self.run(*self.prepare(state, batch, norms,
+                                                               placed=placed)))
+    else:
+      count = self.scan_steps or 1
+      step = None
+      if delays is None:
+        step = self._step_of(state)
+        delays = self.rule.window(step, count) if self.scan_steps else self.rule(step)
+      new_state, metrics = self.finish(*self.run(*self.prepare(
+          state, batch, norms, self._check_delays(delays), placed=placed)))
+      if step is not None:  # Spares the next call a device-to-host read of the step.
+        self._host_step.update(array=new_state.step, step=step + count)
+    self._remember(new_state)
     return new_state, metrics
 
   def lower(self, state, batch, delays=None, *, norms=True):
@@ -754,18 +778,20 @@ def _prepare_fn(r: _Rule, ids_def, scan_steps, backend, place_state, place_batch
   """Checks and places ``(state, batch, *delays)`` for the program."""
   batch_axis = 0 if scan_steps is None else 1
 
-  def prepare(state: CyclicState, batch, norms=True, *delays_arg):
+  def prepare(state: CyclicState, batch, norms=True, *delays_arg, placed=False):
+    """``placed``: ``state`` is the step's own output (`TrainStep`), checked and placed already."""
     want = np.asarray(norms, bool)
     if want.shape not in ((), (scan_steps,)) or (scan_steps is None and want.shape):
       raise ValueError(f"norms must be a bool{'' if scan_steps is None else f' or {scan_steps} bools'}"
                        f", got shape {want.shape}.")
     if scan_steps is not None:
       want = np.broadcast_to(want, (scan_steps,))
-    if jax.tree.structure(state.params) != ids_def:
+    if not placed and jax.tree.structure(state.params) != ids_def:
       raise ValueError(
           "stage_ids do not match params: stage_ids must have the same tree structure "
           f"as params.\n  params:    {jax.tree.structure(state.params)}\n  stage_ids: {ids_def}")
-    state = _kept_versions(state, r)
+    if not placed:
+      state = _kept_versions(state, r)
     leaves = jax.tree.leaves(batch)
     if not leaves:
       raise ValueError("The batch has no array leaves.")
@@ -784,7 +810,7 @@ def _prepare_fn(r: _Rule, ids_def, scan_steps, backend, place_state, place_batch
           f"Batch size {size} is not divisible by the {r.num_workers} workers: use a global "
           f"batch of num_workers * per_worker_batch rows (worker i gets rows i*b:(i+1)*b).")
     if backend == "shard_map":
-      return (place_state(state), place_batch(batch), want, *delays_arg)
+      return (state if placed else place_state(state), place_batch(batch), want, *delays_arg)
     b = size // r.num_workers
 
     def split(x):  # [.., N*b, ..] -> [N, .., b, ..]: the pmap axis leads.
