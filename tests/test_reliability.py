@@ -197,26 +197,25 @@ def test_a_finite_check_sees_every_leaf():
   assert not bool(train._all_finite(np.float32(1.0), {**ok, "b": np.array([1.0, np.inf])}))
 
 
+def _linear_step(rule, stage_ids):
+  """A linear model's engine step on 8 workers, its parameters and a batch."""
+  params = {"w": np.ones((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+  step = engine.make_train_step(lambda p, b: ((b["x"] @ p["w"] + p["b"][None]) ** 2).mean(),
+                                optax.sgd(0.1), stage_ids=stage_ids, rule=rule,
+                                mesh=jax.make_mesh((8,), ("data",)))
+  return step, params, {"x": np.arange(64, dtype=np.float32).reshape(16, 4) / 64}
+
+
 def test_the_engine_does_not_replace_a_placed_state():
   """After the first step the state is already replicated: the step must not copy it."""
-  mesh = jax.make_mesh((8,), ("data",))
-  params = {"w": np.ones((4, 3), np.float32), "b": np.zeros(3, np.float32)}
-  tx = optax.sgd(0.1)
-  step = engine.make_train_step(lambda p, b: ((b["x"] @ p["w"] + p["b"][None]) ** 2).mean(), tx,
-                                stage_ids={"w": 0, "b": 0}, rule="dp", mesh=mesh)
-  batch = {"x": np.ones((16, 4), np.float32)}
-  state, _ = step(engine.init_state(params, tx, rule="dp"), batch)
+  step, params, batch = _linear_step("dp", {"w": 0, "b": 0})
+  state, _ = step(engine.init_state(params, optax.sgd(0.1), rule="dp"), batch)
   placed, *_ = step.prepare(state, batch)
   assert all(a is b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(state)))
 
 
 def test_only_the_state_a_step_returned_skips_its_checks():
-  mesh = jax.make_mesh((8,), ("data",))
-  params = {"w": np.ones((4, 3), np.float32), "b": np.zeros(3, np.float32)}
-  tx = optax.sgd(0.1)
-  step = engine.make_train_step(lambda p, b: ((b["x"] @ p["w"] + p["b"][None]) ** 2).mean(), tx,
-                                stage_ids={"w": 0, "b": 1}, rule="cdp-v2", mesh=mesh)
-  batch = {"x": np.arange(64, dtype=np.float32).reshape(16, 4) / 64}
+  step, params, batch = _linear_step("cdp-v2", {"w": 0, "b": 1})
   state, _ = step(step.init(params), batch)
   host = jax.tree.map(np.asarray, state)  # The same numbers, not the step's arrays.
   assert step._is_returned(state) and not step._is_returned(host)
