@@ -786,11 +786,11 @@ def _prepare_fn(r: _Rule, ids_def, scan_steps, backend, place_state, place_batch
                        f", got shape {want.shape}.")
     if scan_steps is not None:
       want = np.broadcast_to(want, (scan_steps,))
-    if not placed and jax.tree.structure(state.params) != ids_def:
-      raise ValueError(
-          "stage_ids do not match params: stage_ids must have the same tree structure "
-          f"as params.\n  params:    {jax.tree.structure(state.params)}\n  stage_ids: {ids_def}")
     if not placed:
+      if jax.tree.structure(state.params) != ids_def:
+        raise ValueError(
+            "stage_ids do not match params: stage_ids must have the same tree structure "
+            f"as params.\n  params:    {jax.tree.structure(state.params)}\n  stage_ids: {ids_def}")
       state = _kept_versions(state, r)
     leaves = jax.tree.leaves(batch)
     if not leaves:
