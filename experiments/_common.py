@@ -13,13 +13,26 @@ import pathlib
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def parser(name: str, doc: str) -> argparse.ArgumentParser:
-  """An argument parser with ``--results_dir`` (default ``results/<name>``) and ``--quick``."""
+def parser(name: str, doc: str, timed: bool = False) -> argparse.ArgumentParser:
+  """An argument parser with ``--results_dir`` (default ``results/<name>``) and ``--quick``.
+
+  ``timed``: also ``--cpus`` (default 1), the CPUs a benchmark that times steps
+  runs on when started as a script (`pin`).
+  """
   p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--results_dir", default=str(REPO / "results" / name),
                  help=f"Folder for the JSON and PNG outputs (default: results/{name}).")
   p.add_argument("--quick", action="store_true", help="A tiny run for smoke tests.")
+  if timed:
+    p.add_argument("--cpus", type=int, default=1,
+                   help="Run on this many CPUs (0: all) when started as a script.")
   return p
+
+
+def pin(args, as_script: bool) -> None:
+  """Applies ``--cpus`` (`pin_cpus`) in a script; a caller in-process (tests) keeps its CPUs."""
+  if as_script and args.cpus:
+    pin_cpus(args.cpus)
 
 
 def results_dir(args) -> pathlib.Path:

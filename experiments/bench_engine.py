@@ -264,13 +264,11 @@ def measure(name: str, args, steps_per_call: int) -> dict:
 
 def main(argv=None, pin=False):
   """The benchmark; ``pin``: apply ``--cpus`` (only before JAX's CPU client starts, as a script)."""
-  parser = _common.parser("bench_engine", __doc__)
+  parser = _common.parser("bench_engine", __doc__, timed=True)
   parser.add_argument("--steps", type=int, default=30, help="Timed steps per variant.")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--repeats", type=int, default=3,
                       help="Interleaved timings from fresh states; ratios are their median.")
-  parser.add_argument("--cpus", type=int, default=1,
-                      help="Run on this many CPUs (0: all) when started as a script.")
   parser.add_argument("--workers", type=int, default=8,
                       help="Data-parallel workers: emulated devices used (at most 8).")
   parser.add_argument("--per_worker_batch", type=int, default=32, help="MLP rows per worker.")
@@ -282,8 +280,7 @@ def main(argv=None, pin=False):
   parser.add_argument("--steps_per_call", type=int, nargs="+", default=[1, 16],
                       help="Steps per compiled call to measure (the trainer's default is 16).")
   args = parser.parse_args(argv)
-  if pin and args.cpus:
-    _common.pin_cpus(args.cpus)
+  _common.pin(args, pin)
   if not 1 <= args.workers <= len(jax.devices()):
     parser.error(f"--workers {args.workers}: this process has {len(jax.devices())} devices "
                  "(set XLA_FLAGS=--xla_force_host_platform_device_count=N for more).")

@@ -10,7 +10,8 @@ the cyclic schedule (cdp-v2), GPipe (dp) and DP+MP (dp, N*J devices) and
 reports per-device memory from ``memory_analysis``, idle slots counted from the
 executed schedule, collectives from the compiled HLO, and the step time
 relative to GPipe measured in the same run (calls of K steps interleaved
-across schedules, median over timed calls, warm-up excluded). DP+MP rows whose N*J devices do not exist are analytic and say so.
+across schedules, median over timed calls, warm-up excluded; as a script on one
+CPU, ``--cpus``, for the reason `bench_engine` gives). DP+MP rows whose N*J devices do not exist are analytic and say so.
 It also reports the padding cost of flat stage buffers for ResNet-18 cut by
 FLOPs (``padding``), and, for the transformer of ``configs/lm.py``'s quick
 start (one block per stage, the embedding on the first and the head on the
@@ -45,7 +46,7 @@ RULES = {"cyclic": "cdp-v2", "gpipe": "dp", "dp+mp": "dp"}
 
 
 def parse(argv=None):
-  parser = _common.parser("bench_pipeline", __doc__)
+  parser = _common.parser("bench_pipeline", __doc__, timed=True)
   parser.add_argument("--stages", default="2,4,8", help="comma-separated J values")
   parser.add_argument("--blocks_per_stage", type=int, default=1)
   parser.add_argument("--width", type=int, default=128)
@@ -294,8 +295,10 @@ def transformer_workload(num_stages, args):
   return staged, params, batch, args.lm_per_micro * size["seq_len"] * size["d_model"] * 4
 
 
-def main(argv=None):
+def main(argv=None, pin=False):
+  """The benchmark; ``pin``: apply ``--cpus`` (only before JAX's CPU client starts, as a script)."""
   args = parse(argv)
+  _common.pin(args, pin)
   if args.compile_sweep:
     result = {"config": vars(args), "device_count": jax.device_count(),
               "machine": _common.machine(), "compile_sweep": compile_sweep(args)}
@@ -348,4 +351,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  main(pin=True)

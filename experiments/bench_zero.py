@@ -12,7 +12,8 @@ ring fills and drains once per call), the engine one. Memory and collectives
 are read from the compiled programs (per device); the cyclic step's bytes come
 from its slot plan (`plan.zero_plan`), since its messages sit in a loop body.
 Speed is a ratio measured in this run, calls interleaved, warm-up excluded,
-median of ``--steps`` calls, per training step.
+median of ``--steps`` calls, per training step; as a script on one CPU
+(``--cpus``, for the reason `bench_engine` gives).
 
 Two timing ablations of ``cyclic`` run beside them (``--floors``; their
 numbers are wrong, only their time counts): the same program with its
@@ -269,8 +270,9 @@ def _compile_sweep_in_child(num_stages_list, args) -> list[dict]:
   return rows
 
 
-def main(argv=None):
-  parser = _common.parser("bench_zero", __doc__)
+def main(argv=None, pin=False):
+  """The benchmark; ``pin``: apply ``--cpus`` (only before JAX's CPU client starts, as a script)."""
+  parser = _common.parser("bench_zero", __doc__, timed=True)
   parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
   parser.add_argument("--width", type=int, default=128)
   parser.add_argument("--per-worker", type=int, default=32)
@@ -283,6 +285,7 @@ def main(argv=None):
   parser.add_argument("--floors", action=argparse.BooleanOptionalAction, default=True,
                       help="time cyclic's slot_rendezvous and no_collectives ablations beside it")
   args = parser.parse_args(argv)
+  _common.pin(args, pin)
   if args.quick:
     args.workers, args.width, args.per_worker, args.steps, args.warmup = [2], 16, 4, 3, 1
     args.scan_steps, args.compile_sweep = 2, ""  # The sweep runs in the full benchmark only.
@@ -357,4 +360,4 @@ def _print_tables(rows, sweep, goals) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  main(pin=True)
