@@ -148,6 +148,14 @@ def test_bench_engine_script_pins_one_cpu(tmp_path):
   assert saved["workloads"][0]["variants"]["engine cdp-v1"]["same_ops_as_dp"]
 
 
+def test_bench_zero_script_pins_one_cpu(tmp_path):
+  # bench_pipeline and bench_zero share the flag (`_common.parser(timed=True)`); this one is quick.
+  subprocess.run([sys.executable, str(EXPERIMENTS / "bench_zero.py"), "--quick", "--no-floors",
+                  "--results_dir", str(tmp_path)], check=True, capture_output=True, timeout=600)
+  saved = json.loads((tmp_path / "bench_zero.json").read_text())
+  assert saved["machine"]["cores_used"] == 1
+
+
 def test_bench_overlap_quick(tmp_path):
   result = _script("bench_overlap").main(["--quick", "--results_dir", str(tmp_path)])
   saved = json.loads((tmp_path / "bench_overlap.json").read_text())
