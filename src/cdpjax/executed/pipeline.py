@@ -407,8 +407,9 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
   donated = (0, 1) if donate else ()
   sharded = jax.shard_map(body, mesh=mesh, in_specs=(state_spec, P(STAGE_AXIS), batch_spec),
                           out_specs=(state_spec, P(STAGE_AXIS), P(*axes)))
-  run = jax.jit(lambda state, ring_, batch: sharded(state, ring_, with_steps_axis(batch, scan_steps)),
-                donate_argnums=donated, compiler_options=compiled.compiler_options(mesh))
+  run = jax.jit(
+      lambda state, versions, batch: sharded(state, versions, with_steps_axis(batch, scan_steps)),
+      donate_argnums=donated, compiler_options=compiled.compiler_options(mesh))
   ring = VersionRing(staged.param_size, tt.num_steps, stage_rows, donate)
 
   def prepare(state: StagedState, batch, abstract_ring=False):
