@@ -15,12 +15,18 @@ Speed is a ratio measured in this run, calls interleaved, warm-up excluded,
 median of ``--steps`` calls, per training step; as a script on one CPU
 (``--cpus``, for the reason `bench_engine` gives).
 
-Two timing ablations of ``cyclic`` run beside them (``--floors``; their
-numbers are wrong, only their time counts): the same program with its
-messages replaced by one 64-byte collective-permute per slot
-(``slot_rendezvous``: exchanging data every slot with no bytes and a single
-collective), and by nothing (``no_collectives``: the slots' compute and
-bookkeeping alone, each worker running free).
+Timing ablations run beside them (``--floors``; their numbers are wrong,
+only their time counts): ``cyclic`` with its messages replaced by one 64-byte
+collective-permute per slot (``slot_rendezvous``: exchanging data every slot
+with no bytes and a single collective), and by nothing (``no_collectives``:
+the slots' compute and bookkeeping alone, each worker running free). Then each
+stage's forward and backward replaced by a stand-in of the same shapes that
+reads the parameters and writes the gradient buffer (`compute_replaced`):
+``no_compute`` (``cyclic``'s messages and bookkeeping), ``bookkeeping``
+(neither compute nor messages) and ``zero3_no_compute`` (ZeRO-3's collectives
+and bookkeeping). Their differences split each step into stage compute,
+collectives and bookkeeping (``split`` in the goals, in units of ZeRO-3's
+step time; each part is a difference of two timed programs, as noisy as both).
 
 The compile sweep lowers and compiles both ZeRO steps for J = N in
 ``--compile_sweep`` (the residual MLP, width 32, one step per call; a child
@@ -114,7 +120,7 @@ def build(num_workers, args):
   mesh = jax.make_mesh((num_workers,), ("data",))
   tx = optax.adam(1e-3)
   steps_batch = jax.tree.map(lambda x: np.stack([x] * args.scan_steps), batch)
-  programs = {}
+  programs, hlo_of = {}, {}
   for name, rule in (("cyclic", "cdp-v2"), ("zero3", "dp"), ("engine", "cdp-v2")):
     if name == "engine":
       ex = executor.build("data", model, tx, params=params, model_state=None,
@@ -133,13 +139,41 @@ def build(num_workers, args):
            "compile_s": round(time.perf_counter() - start, 2)}
     row.update(program_figures(executable, state, staged, ex.plan.delays, num_steps, name))
     programs[name] = (ex.step, state, call_batch, row)
+    hlo_of[name] = executable.as_text()
   if args.floors:
     programs.update({name: (*p, None) for name, p in floor_programs(
-        staged, params, tx, mesh, steps_batch, args.scan_steps).items()})
+        staged, params, tx, mesh, steps_batch, args.scan_steps, hlo_of).items()})
   return programs
 
 
-FLOORS = ("slot_rendezvous", "no_collectives")
+# name: (timetable, its messages (`messages_replaced`), its stage compute replaced).
+FLOORS = {"slot_rendezvous": ("cyclic", "slot_rendezvous", False),
+          "no_collectives": ("cyclic", "no_collectives", False),
+          "no_compute": ("cyclic", None, True),
+          "bookkeeping": ("cyclic", "no_collectives", True),
+          "zero3_no_compute": ("zero3", None, True)}
+
+
+@contextlib.contextmanager
+def compute_replaced():
+  """While tracing: every stage's forward and backward a stand-in of the same shapes (a timing
+  ablation; numbers wrong). Each reads the stage's parameters once, as the real stage does, and
+  the backward writes the gradient buffer (the stage interface's output)."""
+  cls = staged_lib.StagedModel
+  apply, vjp = cls.apply, cls.vjp
+
+  def forward(self, stage, params, state, h, x, labels):
+    del self, stage, x, labels
+    out = h * 0.5 + jnp.mean(params)
+    return out, jnp.mean(out), state  # The loss reads the output, or a last stage's is dead.
+
+  cls.apply = forward
+  cls.vjp = lambda self, stage, params, state, h, x, labels, cot: (
+      params * 1e-3 + cot[0], cot * 0.5 + h[0])
+  try:
+    yield
+  finally:
+    cls.apply, cls.vjp = apply, vjp
 
 
 @contextlib.contextmanager
@@ -168,27 +202,48 @@ def messages_replaced(floor: str):
     zero._Ring.send, zero._Ring.permute = send, permute  # pylint: disable=protected-access
 
 
-def floor_programs(staged, params, tx, mesh, steps_batch, scan_steps) -> dict:
-  """``{name: (step, state, batch)}``: the cyclic step traced under each `messages_replaced`.
+def _collectives_run(hlo, scan_steps):
+  runs = compiled.collectives_per_step(hlo, scan_steps)
+  return {k: (v["count_min"], v["count_max"]) for k, v in runs.items() if v["count_max"]}
+
+
+def floor_programs(staged, params, tx, mesh, steps_batch, scan_steps, hlo_of) -> dict:
+  """``{name: (step, state, batch)}``: each of `FLOORS` traced under its replacements.
 
   Each compiled program is checked to hold what its name says: no collective,
-  or one collective-permute per slot.
+  one collective-permute per slot, or the collectives its timetable's program
+  (``hlo_of[timetable]``) runs.
   """
   programs = {}
-  for name in FLOORS:
-    ex = zero.make_train_step(staged, tx, rule="cdp-v2", mesh=mesh, timetable="cyclic",
-                              scan_steps=scan_steps)
-    with messages_replaced(name):  # The first call traces and compiles.
+  for name, (timetable, messages, no_compute) in FLOORS.items():
+    ex = zero.make_train_step(staged, tx, rule="cdp-v2" if timetable == "cyclic" else "dp",
+                              mesh=mesh, timetable=timetable, scan_steps=scan_steps)
+    with contextlib.ExitStack() as replaced:  # The first call traces and compiles.
+      if messages:
+        replaced.enter_context(messages_replaced(messages))
+      if no_compute:
+        replaced.enter_context(compute_replaced())
       state, _ = ex.step(ex.init(params), steps_batch)
       hlo = ex.lower(state, steps_batch).compile().as_text()
-    runs = {k: v for k, v in compiled.collective_summary(hlo, scan_steps).items() if v["count"]}
-    slots = plan.zero_slots(staged.num_stages, scan_steps)
-    want = {} if name == "no_collectives" else {"collective-permute": slots / scan_steps}
-    got = {k: v["count_max"] for k, v in runs.items()}
-    if got != want or any(v["count_min"] != v["count_max"] for v in runs.values()):
-      raise RuntimeError(f"The {name} ablation compiled to {runs}, not {want} per step.")
+    slots = plan.zero_slots(staged.num_stages, scan_steps) / scan_steps
+    want = {None: _collectives_run(hlo_of[timetable], scan_steps), "no_collectives": {},
+            "slot_rendezvous": {"collective-permute": (slots, slots)}}[messages]
+    if _collectives_run(hlo, scan_steps) != want:
+      raise RuntimeError(f"The {name} ablation runs {_collectives_run(hlo, scan_steps)} "
+                         f"collectives per step, not {want}.")
     programs[name] = (ex.step, state, steps_batch)
   return programs
+
+
+def time_split(step_time: dict) -> dict:
+  """Each timetable's step time in parts, from the ablations' times (seconds a step)."""
+  cyclic = {"compute": step_time["no_collectives"] - step_time["bookkeeping"],
+            "collectives": step_time["cyclic"] - step_time["no_collectives"],
+            "bookkeeping": step_time["bookkeeping"]}
+  zero3 = {"compute": step_time["zero3"] - step_time["zero3_no_compute"],
+           "collectives_and_bookkeeping": step_time["zero3_no_compute"]}
+  return {name: {k: v / step_time["zero3"] for k, v in parts.items()}
+          for name, parts in (("cyclic", cyclic), ("zero3", zero3))}
 
 
 def program_figures(executable, state, staged, delays, num_steps, name) -> dict:
@@ -283,7 +338,7 @@ def main(argv=None, pin=False):
   parser.add_argument("--compile_sweep", default="2,4,8,16", help="comma-separated J")
   parser.add_argument("--compile_only", action="store_true", help="only the compile sweep")
   parser.add_argument("--floors", action=argparse.BooleanOptionalAction, default=True,
-                      help="time cyclic's slot_rendezvous and no_collectives ablations beside it")
+                      help="time the ablations (FLOORS) beside them")
   args = parser.parse_args(argv)
   _common.pin(args, pin)
   if args.quick:
@@ -308,10 +363,12 @@ def main(argv=None, pin=False):
       row["step_time_ratio"] = row["step_time_s"] / by_name["engine"]["step_time_s"]
       rows.append(row)
     goals[str(num_workers)] = _goals(by_name, num_workers)
-    for name in FLOORS:  # Per step, as the cyclic row (K steps a call).
-      if name in medians:
-        goals[str(num_workers)][f"{name}_vs_zero3"] = (
-            medians[name] / args.scan_steps / by_name["zero3"]["step_time_s"])
+    if args.floors:  # Per step, as the cyclic row (K steps a call).
+      step_time = {name: medians[name] / args.scan_steps for name in FLOORS}
+      step_time.update((name, by_name[name]["step_time_s"]) for name in ("cyclic", "zero3"))
+      for name in FLOORS:
+        goals[str(num_workers)][f"{name}_vs_zero3"] = step_time[name] / step_time["zero3"]
+      goals[str(num_workers)]["split"] = time_split(step_time)
   sweep = compile_sweep(sweep_stages, args)
   result = {"config": {k: v for k, v in vars(args).items() if k != "results_dir"}, "runs": rows,
             "compile_sweep": sweep, "goals": goals, "devices": jax.device_count(),
@@ -356,6 +413,11 @@ def _print_tables(rows, sweep, goals) -> None:
   for r in sweep:
     print(f"{r['num_stages']:>2} {r['schedule']:>8} {r['lower_s']:>8.2f} {r['compile_s']:>9.2f} "
           f"{r['stablehlo_mb']:>12.3f} {r['hlo_mb']:>7.3f}")
+  for n, g in goals.items():
+    if "split" in g:
+      parts = lambda name: ", ".join(f"{k} {v:.2f}" for k, v in g["split"][name].items())
+      print(f"N={n} step time in parts of ZeRO-3's: cyclic {parts('cyclic')}; "
+            f"zero3 {parts('zero3')}")
   print("goals:", json.dumps(goals))
 
 

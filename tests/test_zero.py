@@ -12,6 +12,7 @@ import pytest
 
 from cdpjax import compiled, engine, schedule
 from cdpjax.executed import plan, zero
+from cdpjax.executed import staged as staged_lib
 
 import executed_reference as ref
 
@@ -261,6 +262,14 @@ def test_benchmark_quick_writes_json(tmp_path):
     assert set(row["memory"]) >= {"parameters", "optimizer", "temporaries"}
   assert result["goals"]["2"]["only_point_to_point"]
   # The ablations are timed beside it, and bench_zero's patch is undone.
-  assert {"slot_rendezvous_vs_zero3", "no_collectives_vs_zero3"} <= set(result["goals"]["2"])
+  goals = result["goals"]["2"]
+  assert {f"{name}_vs_zero3" for name in bench.FLOORS} <= set(goals)
+  split = goals["split"]
+  assert set(split) == {"cyclic", "zero3"}
+  # Differences of the timed programs: each timetable's parts add up to its step time.
+  assert sum(split["zero3"].values()) == pytest.approx(1.0)
+  assert sum(split["cyclic"].values()) == pytest.approx(goals["step_time_vs_zero3"])
   assert (zero._Ring.send.__qualname__, zero._Ring.permute.__qualname__) == (
       "_Ring.send", "_Ring.permute")
+  assert (staged_lib.StagedModel.apply.__qualname__, staged_lib.StagedModel.vjp.__qualname__) == (
+      "StagedModel.apply", "StagedModel.vjp")
