@@ -159,6 +159,11 @@ def _worker_view(ages, stage_of_leaf, delays, axis_name, given=None):
   ``lax.switch`` with one branch per distinct row, reading in place, was tried
   (2026-12): no faster on CPU, and the TPU compiler gives each branch its own
   temporaries (ResNet-18 on v5e:2x4: peak 0.99 against 0.45 GB), so: selects.
+  A blend ``stale * s + fresh * (1 - s)``, which XLA:CPU fuses into the dots
+  with ``--xla_cpu_experimental_ynn_fusion_type=dot,eltwise``, was tried too
+  (2026-12-03, bench_engine's MLP, one step a call): cdp-v2/dp 1.04, but every
+  program, dp's included, 15-30% slower with the flag; without it the blend
+  is slower than the select (cdp-v2/dp 1.13 against 1.09).
   """
   row = jnp.asarray(delays)[jax.lax.axis_index(axis_name)]
   view = []
