@@ -51,17 +51,24 @@ def interleaved_step_times(programs: dict, *, steps: int, warmup: int) -> dict:
   One step of each program in turn, so machine drift hits all of them alike;
   the first ``warmup`` rounds are not timed.
   """
+  return interleaved_repeats(programs, steps=steps, warmup=warmup, repeats=1)[0]
+
+
+def interleaved_repeats(programs: dict, *, steps: int, warmup: int, repeats: int) -> list[dict]:
+  """`interleaved_step_times` of ``repeats`` blocks of ``steps`` rounds in a row, one dict a
+  block; the states run on from block to block (the steps donate them)."""
   import jax  # pylint: disable=g-import-not-at-top
   states = {name: state for name, (_, state, _) in programs.items()}
   times = {name: [] for name in programs}
-  for it in range(warmup + steps):
+  for it in range(warmup + steps * repeats):
     for name, (step, _, batch) in programs.items():
       start = time.perf_counter()
       states[name], metrics = step(states[name], batch)
       jax.block_until_ready((states[name], metrics))
       if it >= warmup:
         times[name].append(time.perf_counter() - start)
-  return {name: float(statistics.median(t)) for name, t in times.items()}
+  return [{name: float(statistics.median(t[r * steps:(r + 1) * steps]))
+           for name, t in times.items()} for r in range(repeats)]
 
 
 def pin_cpus(count: int) -> list[int]:

@@ -12,8 +12,11 @@ ring fills and drains once per call), the engine one. Memory and collectives
 are read from the compiled programs (per device); the cyclic step's bytes come
 from its slot plan (`plan.zero_plan`), since its messages sit in a loop body.
 Speed is a ratio measured in this run, calls interleaved, warm-up excluded,
-median of ``--steps`` calls, per training step; as a script on one CPU
-(``--cpus``, for the reason `bench_engine` gives).
+per training step; as a script on one CPU (``--cpus``, for the reason
+`bench_engine` gives). ``--repeats`` blocks of ``--steps`` calls each give a
+median per program; a step time is the median of these, and
+``step_time_vs_zero3_range`` the range of the blocks' ratios to ZeRO-3 (the
+ring's many rendezvous make it noisy: about +-0.08 at N = 4).
 
 Timing ablations run beside them (``--floors``; their numbers are wrong,
 only their time counts): ``cyclic`` with its messages replaced by one 64-byte
@@ -333,7 +336,9 @@ def main(argv=None, pin=False):
   parser.add_argument("--per-worker", type=int, default=32)
   parser.add_argument("--scan_steps", type=int, default=16,
                       help="K steps per call (ZeRO), the trainer's default")
-  parser.add_argument("--steps", type=int, default=10, help="timed calls (of K steps each)")
+  parser.add_argument("--steps", type=int, default=10,
+                      help="timed calls (of K steps each) a repeat")
+  parser.add_argument("--repeats", type=int, default=3, help="blocks of --steps timed calls")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--compile_sweep", default="2,4,8,16", help="comma-separated J")
   parser.add_argument("--compile_only", action="store_true", help="only the compile sweep")
@@ -343,6 +348,7 @@ def main(argv=None, pin=False):
   _common.pin(args, pin)
   if args.quick:
     args.workers, args.width, args.per_worker, args.steps, args.warmup = [2], 16, 4, 3, 1
+    args.repeats = 2
     args.scan_steps, args.compile_sweep = 2, ""  # The sweep runs in the full benchmark only.
   sweep_stages = [int(j) for j in args.compile_sweep.split(",") if j]
   if args.compile_only:
@@ -354,8 +360,10 @@ def main(argv=None, pin=False):
     if num_workers > jax.device_count():
       sys.exit(f"N={num_workers} needs {num_workers} devices, found {jax.device_count()}.")
     programs = build(num_workers, args)
-    medians = _common.interleaved_step_times(
-        {name: p[:3] for name, p in programs.items()}, steps=args.steps, warmup=args.warmup)
+    blocks = _common.interleaved_repeats({name: p[:3] for name, p in programs.items()},
+                                         steps=args.steps, warmup=args.warmup,
+                                         repeats=args.repeats)
+    medians = {name: float(np.median([b[name] for b in blocks])) for name in programs}
     by_name = {name: p[3] for name, p in programs.items() if p[3] is not None}
     for name, row in by_name.items():
       row["step_time_s"] = medians[name] / row["steps_per_call"]
@@ -363,6 +371,8 @@ def main(argv=None, pin=False):
       row["step_time_ratio"] = row["step_time_s"] / by_name["engine"]["step_time_s"]
       rows.append(row)
     goals[str(num_workers)] = _goals(by_name, num_workers)
+    ratios = [b["cyclic"] / b["zero3"] for b in blocks]
+    goals[str(num_workers)]["step_time_vs_zero3_range"] = [min(ratios), max(ratios)]
     if args.floors:  # Per step, as the cyclic row (K steps a call).
       step_time = {name: medians[name] / args.scan_steps for name in FLOORS}
       step_time.update((name, by_name[name]["step_time_s"]) for name in ("cyclic", "zero3"))
@@ -414,6 +424,9 @@ def _print_tables(rows, sweep, goals) -> None:
     print(f"{r['num_stages']:>2} {r['schedule']:>8} {r['lower_s']:>8.2f} {r['compile_s']:>9.2f} "
           f"{r['stablehlo_mb']:>12.3f} {r['hlo_mb']:>7.3f}")
   for n, g in goals.items():
+    low, high = g["step_time_vs_zero3_range"]
+    print(f"N={n} cyclic/zero3 step time {g['step_time_vs_zero3']:.2f} ({low:.2f}-{high:.2f} "
+          "over the repeats)")
     if "split" in g:
       parts = lambda name: ", ".join(f"{k} {v:.2f}" for k, v in g["split"][name].items())
       print(f"N={n} step time in parts of ZeRO-3's: cyclic {parts('cyclic')}; "

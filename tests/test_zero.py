@@ -261,6 +261,8 @@ def test_benchmark_quick_writes_json(tmp_path):
       assert key in row
     assert set(row["memory"]) >= {"parameters", "optimizer", "temporaries"}
   assert result["goals"]["2"]["only_point_to_point"]
+  low, high = result["goals"]["2"]["step_time_vs_zero3_range"]  # Over 2 repeats in --quick.
+  assert 0 < low <= high
   # The ablations are timed beside it, and bench_zero's patch is undone.
   goals = result["goals"]["2"]
   assert {f"{name}_vs_zero3" for name in bench.FLOORS} <= set(goals)
