@@ -415,13 +415,13 @@ class VersionRing(NamedTuple):
   both live through the call, the stale rows held twice. Flat, not ``[V, P]``:
   with ``[V, P]`` the TPU compiler's temporaries grew (executed CDP+MP,
   ResNet-18 on v5e:2x4: peak per chip 837 MB, 703 MB flat, 804 MB stacked
-  inside the step). CDP+ZeRO still stacks inside its step: there the flat
-  argument raised the TPU peak (ResNet-18, v5e:2x4: 1157 against 1025 MB).
-  CDP+ZeRO's way here, the state's own buffers carried through the scan with no
-  ring programs, was tried (2026-12-03): XLA then copies a stage buffer at each
-  update (with a select per buffer each reads the other's old value; with a
-  switch writing one buffer, a branch's pass-through is copied), ``K`` copies
-  a call against the ring's ``2V``.
+  inside the step). In CDP+ZeRO the flat argument raised the TPU peak
+  (ResNet-18, v5e:2x4: 1157 against 1025 MB), and it carries the state's own
+  buffers through its scan (one owned stage a worker, a select per buffer at
+  an update). That way was tried here (2026-12-03): XLA then copies a stage
+  buffer at each update (with a select per buffer each reads the other's old
+  value; with a switch writing one buffer, a branch's pass-through is
+  copied), ``K`` copies a call against the ring's ``2V``.
   """
   size: int       # P.
   num_steps: int  # K: the scan applies K updates, so it ends with head = -K % V.
