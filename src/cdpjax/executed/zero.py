@@ -379,31 +379,23 @@ def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
       stats_3xK=stats)
 
 
-def _picked(rounds_out, round_):
-  """``rounds_out[round_]`` for a traced ``round_``: selects, fused where the message is read."""
-  return functools.reduce(lambda acc, r: jnp.where(round_ == r, rounds_out[r], acc),
-                          range(1, len(rounds_out)), rounds_out[0])
-
-
 def _branches(staged: StagedModel, ring: _Ring):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
-  Operands ``(carry, event, buf_P, state_2M, me, x, labels, (rounds_out, round))``; results
-  ``(h, cot, stash_JxA, stash_JxM, next_JxM, grads_3Q, state_2M, loss)``. Only a backward
-  writes the gradient queue: its gradient (and next model state) plus the chain's partial
-  sum received in ``rounds_out[round]`` (picked in the branch, not written out), go
-  into row 2 where the owner's chain ends, else into row ``slot % 2``. Nothing reads the
-  row a forward or an idle slot would have written, so they pass the queue through.
+  Operands ``(carry, event, buf_P, state_2M, me, x, labels)``; results
+  ``(h, cot, stash_JxA, stash_JxM, next_JxM, grads_Q, state_2M, loss)`` (zero gradients but
+  in a backward).
   """
   size_m, last = ring.size_m, ring.num_workers - 1
 
   def idle(ops):
     c = ops[0]
-    return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, c.grads_3Q,
+    zeros_q = jnp.zeros((ring.size_q,), jnp.float32)
+    return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, zeros_q,
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   def forward(ops):
-    c, ev, buf, state, me, x, labels, _ = ops
+    c, ev, buf, state, me, x, labels = ops
     j, read = ev["stage"], state[:size_m]
     h, loss, new_state = staged.apply(j, buf, read, c.h_A, x, labels)
     total = state[size_m:] + new_state
@@ -412,18 +404,16 @@ def _branches(staged: StagedModel, ring: _Ring):
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
     return ring.vary((h, c.cot_A, c.stash_JxA.at[j].set(c.h_A), c.stash_JxM.at[j].set(read),
-                      c.next_JxM.at[j].set(mean), c.grads_3Q, msg, loss))
+                      c.next_JxM.at[j].set(mean), jnp.zeros((ring.size_q,), jnp.float32),
+                      msg, loss))
 
   def backward(ops):
-    c, ev, buf, _, me, x, labels, chain_in = ops
+    c, ev, buf, _, me, x, labels = ops
     j = ev["stage"]
     grads, cot = staged.vjp(j, buf, c.stash_JxM[j], c.stash_JxA[j], x, labels, c.cot_A)
     next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
-    partial = (jnp.concatenate([grads, next_state])
-               + jnp.where(ev["grad_chain"] == 1, _picked(*chain_in), 0.0))
-    row = jnp.where(ev["grad_end"] == 1, 2, ev["slot"] % 2)
     return ring.vary((c.h_A, cot, c.stash_JxA, c.stash_JxM, c.next_JxM,
-                      set_block(c.grads_3Q, row, ring.size_q, partial),
+                      jnp.concatenate([grads, next_state]),
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   return [idle, forward, backward]
@@ -459,7 +449,9 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
       return jnp.where(m <= PARAM_OWNER, jnp.concatenate([stage, ring.vary(c.model_state_M)]),
                        grad)
     out = ring.send(rounds, slot, me, message, c.used_2xP, c.grads_3Q)
-    pick = lambda kind: _picked(out, jnp.asarray(rounds.received[kind])[slot, me])
+    pick = lambda kind: functools.reduce(
+        lambda acc, r: jnp.where(jnp.asarray(rounds.received[kind])[slot, me] == r, out[r], acc),
+        range(1, len(out)), out[0])
     # Picked where used: a conditional's operand would be written out in full every slot.
     c = jax.lax.cond(ev["update"] == 1,
                      lambda c: _update(ring, tx, c, pick("grad"), ev["update_step"]),
@@ -474,11 +466,19 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
       state = jnp.where(ev["state_ring"] == 1, ring.route(
           ("state", "ring"), slot, after, lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
-    chain = (tuple(out), jnp.asarray(rounds.received["grad"])[slot, me])
     h, cot, stash, stash_m, next_m, grads, msg, loss = jax.lax.switch(
-        ev["kind"], branches, (c, dict(ev, slot=slot), buf, state, me, x, labels, chain))
+        ev["kind"], branches, (c, ev, buf, state, me, x, labels))
+    partial = grads + jnp.where(ev["grad_chain"] == 1, pick("grad"), 0.0)
+    # The owner's own chain ends here (row 2) until its update; no worker reads that row's queue.
+    # Every slot writes a row, though only a backward's is read: writing it under a conditional
+    # (in the backward branch, or a cond of its own) cut this bookkeeping on the CPU (bench_zero,
+    # N = 4: 0.27-0.31 -> 0.22-0.24 of a ZeRO-3 step), but the TPU compiler then gives the
+    # queue a buffer of its own (ResNet-18 by parameters, v5e:2x4, R = 2: peak per chip 0.609 ->
+    # 0.644 GiB; 2026-12-03), so: unconditional.
+    grads_row = jnp.where(ev["grad_end"] == 1, 2, parity)
     return c._replace(
-        used_2xP=c.used_2xP.at[parity].set(buf), grads_3Q=grads,
+        used_2xP=c.used_2xP.at[parity].set(buf),
+        grads_3Q=set_block(c.grads_3Q, grads_row, ring.size_q, partial),
         state_2x2M=c.state_2x2M.at[parity].set(msg), h_A=h, cot_A=cot, stash_JxA=stash,
         stash_JxM=stash_m, next_JxM=next_m,
         stats_3xK=c.stats_3xK.at[0, ev["step"]].add(loss)), None
