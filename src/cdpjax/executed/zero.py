@@ -472,9 +472,9 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
     # The owner's own chain ends here (row 2) until its update; no worker reads that row's queue.
     # Every slot writes a row, though only a backward's is read: writing it under a conditional
     # (in the backward branch, or a cond of its own) cut this bookkeeping on the CPU (bench_zero,
-    # N = 4: 0.27-0.31 -> 0.22-0.24 of a ZeRO-3 step), but the TPU compiler then gives the
-    # queue a buffer of its own (ResNet-18 by parameters, v5e:2x4, R = 2: peak per chip 0.609 ->
-    # 0.644 GiB; 2026-12-03), so: unconditional.
+    # N = 4: 0.27-0.31 -> 0.22-0.24 of a ZeRO-3 step), but raised the TPU compiler's peak by
+    # about the queue's size (ResNet-18 by parameters, v5e:2x4, R = 2: 0.609 -> 0.644 GiB per
+    # chip; not the residual MLP's at width 1024; 2026-12-03), so: unconditional.
     grads_row = jnp.where(ev["grad_end"] == 1, 2, parity)
     return c._replace(
         used_2xP=c.used_2xP.at[parity].set(buf),
