@@ -16,8 +16,9 @@ per training step; as a script on one CPU (``--cpus``, for the reason
 `bench_engine` gives). ``--repeats`` blocks of ``--steps`` calls each give a
 median per program; a step time is the median of these, and
 ``step_time_vs_zero3_range`` the range of the blocks' ratios to ZeRO-3
-(2026-12-03, N = 4: 1.27-1.33 in one run; runs minutes apart moved the
-median by up to 0.1, so compare figures of one run).
+(2026-12-03, N = 4: 1.38-1.54 within one run; two runs of the same code
+hours apart gave medians 0.06 / 0.09 / 0.18 apart at N = 4 / 2 / 8, so
+compare figures of one run).
 
 Timing ablations run beside them (``--floors``; their numbers are wrong,
 only their time counts): ``cyclic`` with its messages replaced by one 64-byte
