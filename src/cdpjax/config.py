@@ -247,7 +247,12 @@ PAPER_RECIPES = {
 
 
 def paper_config(dataset: str, model: str, arg: str | None) -> ml_collections.ConfigDict:
-  """A ResNet run of the paper, with ``rule=``, ``parallelism=`` and ``smoke``."""
+  """A ResNet run of the paper, with ``rule=``, ``parallelism=`` and ``smoke``.
+
+  ``parallelism=model`` and ``zero`` run N = J = 4 workers (the executed
+  timetables need one micro-batch per stage) of twice the recipe's rows, so a
+  step still sees the recipe's global batch (8 x b) that its learning rate is for.
+  """
   arg = parse_arg(arg, rule="cdp-v2", parallelism="data", smoke=False)
   recipe = dict(PAPER_RECIPES[dataset])
   c = base_config()
@@ -262,6 +267,9 @@ def paper_config(dataset: str, model: str, arg: str | None) -> ml_collections.Co
   c.lr_schedule = "step"
   for key, value in recipe.items():
     c[key] = value
+  if arg.parallelism in ("model", "zero"):
+    c.per_worker_batch_size = c.per_worker_batch_size * c.num_workers // c.num_stages
+    c.num_workers = c.num_stages
   c.log_every_steps = 50
   c.eval_every_steps = 1000
   c.checkpoint_every_steps = 1000
