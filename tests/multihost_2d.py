@@ -94,6 +94,8 @@ def run(workdir: str) -> dict:
 
 if __name__ == "__main__":
   out, coordinator, num_processes, process_id = sys.argv[1:5]
+  # 60 s once let both processes be declared dead mid-run (no heartbeat reached the
+  # coordinator on the loaded 2 cores, 2026-12-03); a hang still ends at RUN_TIMEOUT_S = 240.
   distributed.initialize(8, coordinator_address=coordinator, num_processes=int(num_processes),
-                         process_id=int(process_id), timeout_s=60)
+                         process_id=int(process_id), timeout_s=200)
   pathlib.Path(out).write_text(json.dumps(run(str(pathlib.Path(out).parent / "launcher"))))
