@@ -45,7 +45,9 @@ def free_port() -> int:
 class Processes:
   """The launcher started as ``num_processes`` processes; kills what is left on exit."""
 
-  def __init__(self, workdir, *args, num_processes=2, started=None, timeout_s=30):
+  # A heartbeat once went missing for over 60 s on the loaded 2 cores (multihost_2d): runs
+  # that must not fail wait 200 s; the tests of failures pass their own timeout_s.
+  def __init__(self, workdir, *args, num_processes=2, started=None, timeout_s=200):
     workdir = pathlib.Path(workdir)
     port = free_port()
     # The launcher sets each process's device count; the test session's 8 would win.
