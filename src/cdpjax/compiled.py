@@ -623,9 +623,18 @@ def compiler_options(mesh) -> dict[str, object]:
   over dp; with it 35 and 1.00 (the stale copy itself). The GPU has the same
   option (``xla_gpu_...``), not set: not measured here. The TPU's copy
   insertion is left as it is (one copy per version in our AOT checks).
+
+  On the CPU, also no YNN fusion (``xla_cpu_experimental_ynn_fusion_type``
+  empty): jaxlib 0.10.2's fuses a chain of pads and adds into a kernel that
+  writes zeros for one gradient leaf (docs/xla_cpu_miscompile.md). Measured,
+  ResNet-18 of configs/digits.py, 4 stage backwards in one program: 1.77x
+  faster without it; the residual MLP's: 5% slower.
   """
   platform = np.asarray(mesh.devices).flat[0].platform
-  return {"xla_cpu_copy_insertion_use_region_analysis": True} if platform == "cpu" else {}
+  if platform != "cpu":
+    return {}
+  return {"xla_cpu_copy_insertion_use_region_analysis": True,
+          "xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def stablehlo_collectives(lowered_text: str) -> dict[str, int]:

@@ -730,7 +730,7 @@ def _train_locked(c, workdir: str) -> dict:
   finally:
     log.close()
   checkpointer.close()
-  if c.final_mean_view and not summary["preempted"]:
+  if not summary["preempted"]:
     summary.update(export_final_models(
         c, state, run.runner.variables, run.model, run.sample, workdir, run.evaluate))
   if jax.process_index() == 0:
@@ -853,25 +853,46 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
 
 
 def export_final_models(c, state, variables_of, model, sample, workdir, evaluate) -> dict:
-  """Evaluates and saves ``theta_T`` and the authors' final model, the mean worker view.
+  """Saves ``theta_T``, under every parallelism; with ``final_mean_view``, the authors' model too.
 
-  Writes ``final_params.msgpack`` (``theta_T``) and ``final_mean_view.msgpack``
-  (``engine.mean_worker_view``: for ``cdp-v1``, ``theta_{T-1}``) to ``workdir``
-  and returns the mean view's ``final_mean_view_accuracy`` and ``_loss``.
+  Writes flax msgpack files to ``workdir``: ``final_params.msgpack``
+  (``theta_T``'s parameters), ``final_model_state.msgpack`` for a model with
+  state (BatchNorm statistics, ``{"batch_stats": ...}``), and with
+  ``c.final_mean_view`` ``final_mean_view.msgpack``
+  (``engine.mean_worker_view``: for ``cdp-v1``, ``theta_{T-1}``), whose
+  ``final_mean_view_accuracy`` and ``_loss`` it returns.
   """
   from flax import serialization  # pylint: disable=g-import-not-at-top
   variables = variables_of(state)
-  stage_ids = model_stage_ids(c, model, variables["params"], sample)
-  rule = config_lib.delay_rule(c)
-  delays = (rule(int(jax.device_get(state.step))) if isinstance(rule, schedule.DelayRule)
-            else schedule.resolve(rule, c.num_workers, c.num_stages))
-  mean_view = {**variables, "params": engine.mean_worker_view(state, stage_ids, delays)}
+  files = {"final_params": variables["params"]}
+  model_state = {k: v for k, v in variables.items() if k != "params"}
+  if model_state:
+    files["final_model_state"] = model_state
+  metrics = {}
+  if c.final_mean_view:
+    stage_ids = model_stage_ids(c, model, variables["params"], sample)
+    rule = config_lib.delay_rule(c)
+    delays = (rule(int(jax.device_get(state.step))) if isinstance(rule, schedule.DelayRule)
+              else schedule.resolve(rule, c.num_workers, c.num_stages))
+    mean_view = {**variables, "params": engine.mean_worker_view(state, stage_ids, delays)}
+    files["final_mean_view"] = mean_view["params"]
+    metrics = {k.replace("eval/", "final_mean_view_"): v
+               for k, v in evaluate(mean_view).items()}
+  files = _on_host(files)  # Every process takes part where arrays span processes.
   if jax.process_index() == 0:
-    for name, tree in (("final_params", variables["params"]),
-                       ("final_mean_view", mean_view["params"])):
+    for name, tree in files.items():
       with open(os.path.join(workdir, f"{name}.msgpack"), "wb") as f:
-        f.write(serialization.to_bytes(jax.device_get(tree)))
-  return {k.replace("eval/", "final_mean_view_"): v for k, v in evaluate(mean_view).items()}
+        f.write(serialization.to_bytes(tree))
+  return metrics
+
+
+def _on_host(tree):
+  """Host numpy copies of ``tree``'s leaves, gathered where they are sharded over processes."""
+  def get(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(get, tree)
 
 
 def to_global(local_batch: dict, mesh, stacked: bool = False) -> dict:

@@ -59,11 +59,23 @@ class _Layout:
     return flat
 
   def unpack(self, flat):
-    leaves, offset = [], 0
-    for shape in self.shapes:
-      leaves.append(flat[offset:offset + math.prod(shape)].reshape(shape))
-      offset += math.prod(shape)
-    return jax.tree.unflatten(self.treedef, leaves)
+    return jax.tree.unflatten(self.treedef, _split(flat, self.shapes))
+
+
+def _split(flat, shapes) -> list:
+  """The leaves of ``shapes`` laid end to end at the start of ``flat`` (numpy or jax).
+
+  One split, whose transpose is one concatenate. A slice per leaf would
+  transpose to a pad to the whole buffer and an add per leaf, a chain that
+  XLA:CPU's fusion compiled wrong (docs/xla_cpu_miscompile.md), and that
+  costs a full-length pass per leaf.
+  """
+  if not shapes:
+    return []
+  sizes = [math.prod(s) for s in shapes]
+  xp = np if isinstance(flat, np.ndarray) else jnp
+  parts = xp.split(flat[:sum(sizes)], np.cumsum(sizes)[:-1])
+  return [part.reshape(shape) for part, shape in zip(parts, shapes)]
 
 
 def _traced(tree) -> bool:
@@ -105,11 +117,8 @@ def vary(tree, axes):
 
 def _unflatten_act(flat, spec):
   leaves, treedef = jax.tree.flatten(spec)
-  out, offset = [], 0
-  for s in leaves:
-    out.append(flat[offset:offset + math.prod(s.shape)].reshape(s.shape).astype(s.dtype))
-    offset += math.prod(s.shape)
-  return jax.tree.unflatten(treedef, out)
+  parts = _split(flat, [s.shape for s in leaves])
+  return jax.tree.unflatten(treedef, [x.astype(s.dtype) for x, s in zip(parts, leaves)])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
