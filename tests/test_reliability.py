@@ -186,7 +186,7 @@ def test_parameters_that_stop_being_finite_are_never_checkpointed(tmp_path):
   assert "Traceback" not in out.stderr
   lines = out.stderr.strip().splitlines()
   assert "The parameters after step 1 are not finite" in lines[-2]
-  assert "No checkpoint was saved" in lines[-1]
+  assert "No checkpoint is left to resume from" in lines[-1]
   assert not os.listdir(tmp_path / "checkpoints")  # Not even a half-written one.
 
 

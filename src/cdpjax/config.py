@@ -108,6 +108,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_every_steps = 100
   c.checkpoint_every_steps = 200
   c.keep_checkpoints = 3
+  c.resume_step = -1  # The checkpoint a resume starts from: -1, the newest; N, step N's.
   # Steps per compiled call (one lax.scan): an executed pipeline fills and
   # drains once per call, not once per step. Lowered to the largest K that
   # divides eval_every_steps and checkpoint_every_steps (`train.steps_per_call`);
@@ -131,7 +132,7 @@ def shrink_for_smoke(c: ml_collections.ConfigDict, num_train_steps: int) -> None
 # Keys renamed since a release: old name -> new name (a config or checkpoint may use the old).
 RENAMED_KEYS = {"stage_strategy": "stages_by"}
 # Keys added since, with the value a checkpoint that lacks them ran with.
-ADDED_KEYS = {"num_replicas": 1, "devices_per_worker": 1}
+ADDED_KEYS = {"num_replicas": 1, "devices_per_worker": 1, "resume_step": -1}
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -156,6 +157,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
                      ("lr_schedule", LR_SCHEDULES), ("stages_by", STAGES_BY)):
     if c[key] not in valid:
       raise ValueError(f"Unknown {key} {c[key]!r}: set --config.{key} to one of {valid}.")
+  if c.resume_step < -1:
+    raise ValueError(f"--config.resume_step must be -1 (the newest checkpoint) or a step, got "
+                     f"{c.resume_step}.")
   for key in ("num_workers", "num_stages", "num_replicas", "devices_per_worker",
               "per_worker_batch_size", "eval_batch_size",
               "log_every_steps", "eval_every_steps", "checkpoint_every_steps",

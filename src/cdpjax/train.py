@@ -10,8 +10,10 @@ steps per compiled call (`steps_per_call`), writing ``config.json``,
 Faults and misuse: the workdir is locked; a resume refuses a config change
 that would change the trajectory (``RESUMABLE_KEYS`` may change) and falls
 back past an unreadable checkpoint; only finite states are checkpointed; an
-error waits for the save in flight and names the newest checkpoint; SIGTERM
-and Ctrl-C checkpoint and stop (the launcher then exits ``EXIT_PREEMPTED``).
+error waits for the save in flight and names the newest checkpoint; after a
+divergence, the checkpoints whose loss is not known finite are set aside;
+SIGTERM, SIGHUP and Ctrl-C checkpoint and stop (the launcher then exits
+``EXIT_PREEMPTED``).
 """
 from __future__ import annotations
 
@@ -262,7 +264,7 @@ def make_eval_fn(task: tasks.Task, mesh):
 
 
 EXIT_PREEMPTED = 75
-"""The launcher's exit status after SIGTERM or Ctrl-C: a checkpoint was saved
+"""The launcher's exit status after SIGTERM, SIGHUP or Ctrl-C: a checkpoint was saved
 and rerunning the same command resumes (``EX_TEMPFAIL`` of sysexits.h)."""
 
 
@@ -279,7 +281,17 @@ class WorkdirError(TrainError):
 
 
 class NonFiniteError(TrainError, FloatingPointError):
-  """The loss or the parameters stopped being finite."""
+  """The loss or the parameters stopped being finite.
+
+  ``unsafe_from``: checkpoints of this step and later are not known to give a
+  finite loss. The loss of step ``s`` is computed at ``theta_{s-1}`` (and, for
+  delayed stages, ``theta_{s-2}``), the versions checkpoint ``s - 1`` holds; so
+  a non-finite loss at step ``s`` makes checkpoints from ``s - 1`` on unsafe.
+  """
+
+  def __init__(self, message: str, unsafe_from: int):
+    super().__init__(message)
+    self.unsafe_from = unsafe_from
 
 
 # Config keys a resume may change: they change the learning rate, the length
@@ -289,7 +301,7 @@ class NonFiniteError(TrainError, FloatingPointError):
 RESUMABLE_KEYS = ("learning_rate", "lr_schedule", "lr_decay_factor", "lr_decay_every_epochs",
                   "warmup_epochs", "num_train_steps", "num_epochs", "log_every_steps",
                   "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints",
-                  "eval_batch_size", "data_dir", "backend", "steps_per_call")
+                  "eval_batch_size", "data_dir", "backend", "steps_per_call", "resume_step")
 
 
 def _config_dict(c) -> dict:
@@ -358,15 +370,29 @@ class Checkpointer:
     for k, (a, b) in allowed.items():
       logging.warning("Resuming from step %d with %s changed: %r -> %r.", step, k, a, b)
 
-  def restore_latest(self, abstract_state):
+  def restore_latest(self, abstract_state, resume_step: int = -1):
     """``(state, meta)`` of the newest readable checkpoint, or ``None`` without one.
 
     An unreadable checkpoint (a disk fault, a copy cut short) is reported and
     moved to ``unreadable_checkpoints/``, and the previous one is used; a
-    checkpoint of a different config is refused.
+    checkpoint of a different config is refused. ``resume_step >= 0``: that
+    checkpoint, the newer ones moved to ``superseded_checkpoints/``.
     """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    # A run that already resumed from resume_step wrote the newest: resume it, as any run.
+    if resume_step >= 0 and not (steps and self._resumed_from(steps[0]) == resume_step):
+      if resume_step not in steps:
+        raise CheckpointMismatchError(
+            f"--config.resume_step={resume_step}: there is no checkpoint {self._where(resume_step)}"
+            f"; the checkpoints are at steps {sorted(steps) or 'none'}. Give one of them, or -1 "
+            "for the newest.")
+      newer = [s for s in steps if s > resume_step]
+      if newer:
+        logging.warning("Resuming from step %d: checkpoints %s are moved to %s.", resume_step,
+                        newer, self._move(newer, "superseded_checkpoints"))
+      steps = [resume_step]
     unreadable = []
-    for step in sorted(self.manager.all_steps(), reverse=True):
+    for step in steps:
       try:
         meta = self.read_meta(step)
       except Exception as e:  # pylint: disable=broad-except
@@ -391,19 +417,47 @@ class Checkpointer:
           "otherwise use a fresh --workdir (or delete the checkpoints to start over).")
     return None
 
+  def _resumed_from(self, step: int) -> int | None:
+    """The ``resume_step`` of the run that wrote checkpoint ``step`` (None: unreadable)."""
+    try:
+      return self.read_meta(step)["config"].get("resume_step", -1)
+    except Exception:  # pylint: disable=broad-except
+      return None
+
   def _set_aside(self, unreadable, step: int) -> None:
-    aside = os.path.join(self.workdir, "unreadable_checkpoints")
     for s, e in unreadable:
       logging.warning("Checkpoint %s is unreadable (%s: %s); resuming from the previous one, "
                       "step %d. It is moved to %s.", self._where(s), type(e).__name__,
-                      _first_line(e), step, aside)
-    if jax.process_index() == 0:
+                      _first_line(e), step, os.path.join(self.workdir, "unreadable_checkpoints"))
+    self._move([s for s, _ in unreadable], "unreadable_checkpoints")
+
+  def _move(self, steps, folder: str) -> str:
+    """Moves the checkpoints of ``steps`` to ``workdir/folder`` (kept, out of the way)."""
+    aside = os.path.join(self.workdir, folder)
+    if jax.process_index() == 0 and steps:
       os.makedirs(aside, exist_ok=True)
-      for s, _ in unreadable:
+      for s in steps:
         os.replace(self._where(s), os.path.join(aside, f"{s}-{int(time.time())}"))
     if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("cdpjax: unreadable checkpoints moved")
+      multihost_utils.sync_global_devices(f"cdpjax: checkpoints moved to {folder}")
     self.manager.reload()
+    return aside
+
+  def set_aside_diverged(self, unsafe_from: int) -> str:
+    """After a divergence: moves checkpoints from ``unsafe_from`` on aside; says where to resume."""
+    unsafe = [s for s in self.manager.all_steps() if s >= unsafe_from]
+    moved = ""
+    if unsafe:
+      aside = self._move(unsafe, "diverged_checkpoints")
+      moved = (f"Checkpoint(s) {', '.join(map(str, sorted(unsafe)))} were moved to {aside}: "
+               "the loss at their parameters is not known to be finite. ")
+    step = self.manager.latest_step()
+    if step is None:
+      return moved + ("No checkpoint is left to resume from: lower --config.learning_rate and "
+                      "rerun, which starts from step 0.")
+    return moved + (f"The newest checkpoint is {self._where(step)} (step {step}): rerun with a "
+                    "lower --config.learning_rate to resume from it, or choose an older one "
+                    "with --config.resume_step=N.")
 
   def newest(self) -> str:
     """Where the newest saved checkpoint is, for error messages."""
@@ -474,6 +528,11 @@ class WorkdirLock:
       self.file = None
 
 
+# What a run writes in its workdir: name -> whether it is a directory.
+WORKDIR_LAYOUT = {"lock": False, "config.json": False, "metrics.jsonl": False,
+                  "summary.json": False, "checkpoints": True, "tensorboard": True}
+
+
 def _prepare_workdir(workdir: str) -> WorkdirLock | None:
   """Creates ``workdir`` and, on process 0, locks it; raises WorkdirError naming the fix."""
   if os.path.exists(workdir) and not os.path.isdir(workdir):
@@ -486,6 +545,13 @@ def _prepare_workdir(workdir: str) -> WorkdirLock | None:
   if not os.access(workdir, os.W_OK | os.X_OK):
     raise WorkdirError(f"--workdir {workdir} is not writable: give a directory this user can "
                        "write.")
+  for name, is_dir in WORKDIR_LAYOUT.items():
+    path = os.path.join(workdir, name)
+    if os.path.exists(path) and os.path.isdir(path) != is_dir:
+      raise WorkdirError(
+          f"{path} is a {'file' if is_dir else 'directory'}, where the run keeps its {name} "
+          f"{'directory' if is_dir else 'file'}: move it out of --workdir {workdir} (or use "
+          "another --workdir).")
   if jax.process_index() != 0:
     return None
   lock = WorkdirLock(workdir)
@@ -494,7 +560,8 @@ def _prepare_workdir(workdir: str) -> WorkdirLock | None:
 
 
 class _Interrupts:
-  """SIGTERM and Ctrl-C (SIGINT) become a stop the loop checks, so it can checkpoint and exit.
+  """SIGTERM, SIGHUP (a closed terminal or SSH session) and Ctrl-C (SIGINT) become a stop the
+  loop checks, so it can checkpoint and exit.
 
   After the first Ctrl-C, a second one exits at once (the default action), for
   a user who does not want to wait for the step to end. With several
@@ -503,7 +570,7 @@ class _Interrupts:
   default there.
   """
 
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+  SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
   def __init__(self):
     self.requested = None  # The name of the signal that asked to stop.
@@ -545,13 +612,18 @@ class _Interrupts:
 
 
 def _read_jsonl(path: str) -> list[dict]:
+  """The metric rows of ``path``; a line cut short by a kill, or not a JSON object, is dropped."""
   rows = []
   with open(path) as f:
-    for line in f:
+    for number, line in enumerate(f, 1):
       try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:  # A line cut short by a kill.
-        pass
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        row = None
+      if isinstance(row, dict):
+        rows.append(row)
+      elif line.strip():
+        logging.warning("%s:%d is not a JSON object of metrics: dropping it.", path, number)
   return rows
 
 
@@ -702,7 +774,8 @@ def _train_locked(c, workdir: str) -> dict:
   run = _build(c)
   state = run.runner.init()
   start = 0
-  restored = checkpointer.restore_latest(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+  restored = checkpointer.restore_latest(jax.tree.map(ocp.utils.to_shape_dtype_struct, state),
+                                        c.resume_step)
   if restored is not None:
     state, meta = restored
     start = meta["data_position"]
@@ -724,6 +797,8 @@ def _train_locked(c, workdir: str) -> dict:
     summary, state = _loop(c, run, state, start, checkpointer, log)
   except BaseException as e:
     where = checkpointer.finish_after_error()
+    if isinstance(e, NonFiniteError):
+      where = checkpointer.set_aside_diverged(e.unsafe_from)
     if isinstance(e, Exception):
       e.add_note(where)
     raise
@@ -759,8 +834,8 @@ class _StepLog:
     bad = np.flatnonzero(~np.isfinite(losses))
     if bad.size:
       raise NonFiniteError(
-          f"Non-finite training loss {losses[bad[0]]} at step {first + bad[0]}. Lower "
-          "--config.learning_rate, or resume from the last checkpoint with a smaller one.")
+          f"Non-finite training loss {losses[bad[0]]} at step {first + bad[0]}.",
+          unsafe_from=first + int(bad[0]) - 1)
     steps = [first + i for i in range(len(losses))
              if _logged(self.c, first + i, self.run.num_steps)]
     extra = {}
@@ -824,8 +899,7 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
           if not bool(_all_finite(metrics["loss"][-1], runner.variables(state))):
             raise NonFiniteError(
                 f"The parameters after step {step} are not finite (the loss of that step was "
-                "finite): not saving them. Lower --config.learning_rate, or resume from the "
-                "last checkpoint with a smaller one.")
+                "finite): not saving them.", unsafe_from=step)
           checkpointer.save(step, state, data_position=step)
         if stop:
           break

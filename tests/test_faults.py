@@ -1,0 +1,145 @@
+"""Faults injected into a workdir, through the launcher: a one-line error naming the fix, and
+the workdir still resumes exactly.
+
+Real ``python -m cdpjax.main`` processes on the digits smoke config: a path
+of the workdir made the wrong kind (a file where a directory belongs, or the
+reverse), a ``metrics.jsonl`` line that is JSON but not an object, SIGHUP,
+and a diverged run, which must leave no checkpoint whose loss is not known
+finite and name one from which a smaller learning rate resumes finite.
+"""
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cdpjax import train
+from test_reliability import (LONG, checkpoint_steps, last_line, launcher, run, train_losses,
+                              wait_for)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# 6 steps, a checkpoint every 2, a constant learning rate (a resume replays the same losses).
+SHORT = ("num_train_steps=6", "checkpoint_every_steps=2", "eval_every_steps=6",
+         "lr_schedule=constant")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """The 6 steps in one run, for the resumes to equal."""
+  workdir = tmp_path_factory.mktemp("straight")
+  result = run(workdir, *SHORT)
+  assert result.returncode == 0, result.stderr
+  return train_losses(workdir)
+
+
+# name -> (make it the wrong kind, undo it).
+def _dir(path):
+  if path.exists():
+    path.unlink()
+  path.mkdir()
+
+
+def _file(path):
+  if path.exists():
+    shutil.rmtree(path)
+  path.write_text("not a directory\n")
+
+
+FAULTS = {
+    "config.json": (_dir, lambda p: p.rmdir()),
+    "lock": (_dir, lambda p: p.rmdir()),
+    "metrics.jsonl": (_dir, None),
+    "tensorboard": (_file, None),
+    "checkpoints": (_file, None),
+}
+
+
+def test_a_path_of_the_wrong_kind_names_it_and_the_workdir_resumes(tmp_path, straight):
+  """Each fault in turn on a run stopped at step 2: the error, then the resume to 6."""
+  first = run(tmp_path, *SHORT[1:], "num_train_steps=2")
+  assert first.returncode == 0, first.stderr
+  for name, (wrong, _) in FAULTS.items():
+    path = tmp_path / name
+    kept = tmp_path.parent / f"kept-{name}"
+    if path.exists():
+      os.replace(path, kept)
+    wrong(path)
+    result = run(tmp_path, *SHORT)
+    message = last_line(result.stderr)
+    assert result.returncode == 1, result.stderr
+    assert message.startswith("cdpjax-train: error: ") and str(path) in message, result.stderr
+    assert "move it out of --workdir" in message and "Traceback" not in result.stderr
+    (shutil.rmtree if path.is_dir() else os.remove)(path)
+    if kept.exists():
+      os.replace(kept, path)
+  result = run(tmp_path, *SHORT)
+  assert result.returncode == 0, result.stderr
+  assert train_losses(tmp_path) == straight
+
+
+def test_a_metrics_line_that_is_not_an_object_is_dropped(tmp_path, straight):
+  first = run(tmp_path, *SHORT[1:], "num_train_steps=2")
+  assert first.returncode == 0, first.stderr
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write("5\n")
+  result = run(tmp_path, *SHORT)
+  assert result.returncode == 0, result.stderr
+  assert "is not a JSON object of metrics: dropping it" in result.stderr
+  assert train_losses(tmp_path) == straight
+
+
+def test_sighup_saves_and_the_run_resumes(tmp_path):
+  """A closed terminal: SIGHUP checkpoints and stops like SIGTERM."""
+  process = subprocess.Popen(launcher(tmp_path, *LONG), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+  try:
+    wait_for(lambda: len(train_losses(tmp_path)) >= 2, "two logged steps")
+    process.send_signal(signal.SIGHUP)
+    _, stderr = process.communicate(timeout=300)
+  finally:
+    process.kill()
+  assert process.returncode == train.EXIT_PREEMPTED, stderr
+  assert "Stopped by SIGHUP" in stderr
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["preempted"] and summary["stopped_by"] == "SIGHUP"
+  assert checkpoint_steps(tmp_path)[-1] == summary["final_step"]
+
+
+def test_divergence_sets_unsafe_checkpoints_aside_and_names_one_that_resumes_finite(tmp_path):
+  """The issue's case: the checkpoint of step 2 has a non-finite loss at its parameters."""
+  diverge = ("learning_rate=1e6", "checkpoint_every_steps=1", "lr_schedule=constant",
+             "num_train_steps=12", "eval_every_steps=12")
+  result = run(tmp_path, *diverge)
+  assert result.returncode == 1, result.stderr
+  assert "Non-finite training loss" in result.stderr and "Traceback" not in result.stderr
+  bad_step = int(result.stderr.split("Non-finite training loss")[1].split("at step ")[1]
+                 .split(".")[0])
+  steps = checkpoint_steps(tmp_path)
+  assert steps and steps[-1] == bad_step - 2, (steps, result.stderr)
+  assert str(tmp_path / "checkpoints" / str(bad_step - 2)) in result.stderr
+  assert "--config.resume_step=N" in result.stderr
+  assert sorted(int(p.split("-")[0]) for p in os.listdir(tmp_path / "diverged_checkpoints")) == [
+      bad_step - 1]
+  resumed = run(tmp_path, *diverge[1:], "learning_rate=0.05")
+  assert resumed.returncode == 0, resumed.stderr
+  losses = train_losses(tmp_path)
+  assert [s for s, _ in losses] == list(range(1, 13))
+  assert np.all(np.isfinite([loss for _, loss in losses]))
+
+
+def test_resume_step_starts_from_an_older_checkpoint_and_keeps_the_newer(tmp_path, straight):
+  result = run(tmp_path, *SHORT)
+  assert result.returncode == 0, result.stderr
+  (tmp_path / "summary.json").unlink()  # Not finished any more: it resumes.
+  missing = run(tmp_path, *SHORT, "resume_step=3")
+  assert missing.returncode == 1 and "no checkpoint" in last_line(missing.stderr)
+  again = run(tmp_path, *SHORT, "resume_step=2")
+  assert again.returncode == 0, again.stderr
+  assert train_losses(tmp_path) == straight
+  assert sorted(int(p.split("-")[0]) for p in os.listdir(tmp_path / "superseded_checkpoints")) == [
+      4, 6]
