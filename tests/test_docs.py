@@ -19,8 +19,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAUNCHERS = {"cdpjax-train": "cdpjax.main", "cdpjax-compile": "cdpjax.compile_main",
-             "cdpjax-sample": "cdpjax.sample"}
-START = re.compile(r"(?:^|&&\s*|^srun\s+|--command=\")(cdpjax-(?:train|compile|sample)\b.*)$")
+             "cdpjax-sample": "cdpjax.sample", "cdpjax-export": "cdpjax.export"}
+START = re.compile(r"(?:^|&&\s*|^srun\s+|--command=\")(cdpjax-(?:train|compile|sample|export)\b.*)$")
 
 
 def _text_blocks():

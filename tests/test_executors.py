@@ -145,7 +145,7 @@ def test_every_model_parallelism_and_rule_runs_the_engines_run(model, parallelis
   7.4e-4 at step 3 for ResNet-50 (N = J = 4, cdp-v1; measured), ~1e-5 for ResNet-18.
   ResNet-50's leaves: 1e-4 of the largest magnitude of theta (or of the
   BatchNorm statistics), not of each leaf. Its BatchNorm biases get gradients
-  that are near-cancelling sums, and a ReLU input within rounding of 0 moves
+  that are near-cancelling sums, and float32 rounding of theta moves
   one channel's: measured, block_8.bn3.bias[57] 1.69e-5 against 1.86e-5 while
   its other 63 entries agree to 1e-4; block_0.bn1.bias 4.7e-3 of its scale.
   The same code at two parameter vectors 8.5e-7 of a leaf's scale apart gives

@@ -15,8 +15,10 @@ import signal
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
+from flax import serialization
 
 from cdpjax import train
 from test_reliability import (LONG, checkpoint_steps, last_line, launcher, run, train_losses,
@@ -143,3 +145,31 @@ def test_resume_step_starts_from_an_older_checkpoint_and_keeps_the_newer(tmp_pat
   assert train_losses(tmp_path) == straight
   assert sorted(int(p.split("-")[0]) for p in os.listdir(tmp_path / "superseded_checkpoints")) == [
       4, 6]
+
+
+def test_export_writes_theta_t_of_a_workdir_as_plain_msgpack(tmp_path):
+  """cdpjax-export: the newest checkpoint's theta_t, readable without cdpjax's types.
+
+  The run is started as a user would, without the suite's JAX_PLATFORMS: on
+  this CPU host, with libtpu installed (the test extra's jax[tpu]), it prints
+  nothing of libtpu's.
+  """
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  result = subprocess.run(launcher(tmp_path, "num_train_steps=2"), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert "libtpu" not in result.stderr and "E0000" not in result.stderr, result.stderr
+  out = tmp_path / "exported"
+  export = subprocess.run(
+      [sys.executable, "-m", "cdpjax.export", "--workdir", str(tmp_path), "--out", str(out),
+       "--mean_view"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert export.returncode == 0, export.stderr
+  assert sorted(os.listdir(out)) == ["mean_view.msgpack", "params.msgpack"]
+  read = lambda path: serialization.msgpack_restore(path.read_bytes())  # pylint: disable=unnecessary-lambda-assignment
+  exported, final = read(out / "params.msgpack"), read(tmp_path / "final_params.msgpack")
+  assert jax.tree.structure(exported) == jax.tree.structure(final)
+  for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(final)):
+    np.testing.assert_array_equal(a, b)
+  missing = subprocess.run([sys.executable, "-m", "cdpjax.export", "--workdir", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert missing.returncode == 1 and "config.json does not exist" in missing.stderr

@@ -6,6 +6,7 @@ the emulated device count.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 
@@ -116,6 +117,16 @@ def base_config() -> ml_collections.ConfigDict:
   # convolutions XLA runs on a slow path.
   c.steps_per_call = 16
   return c
+
+
+def saved(workdir: str) -> ml_collections.ConfigDict:
+  """The config a cdpjax-train run saved in ``workdir/config.json``; a clear error without one."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"{path} does not exist: give the --workdir of a cdpjax-train run that "
+                     "saved a checkpoint.")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
 
 
 def shrink_for_smoke(c: ml_collections.ConfigDict, num_train_steps: int) -> None:

@@ -39,11 +39,20 @@ def emulate_cpu_devices(count: int) -> None:
 
   Only the CPU platform reads this flag, so it is harmless on GPU and TPU hosts.
   It takes effect when the backend starts, so set it before anything touches
-  devices.
+  devices. On a host without TPU chips or NVIDIA/AMD GPUs, and without
+  ``JAX_PLATFORMS``, JAX is also kept to the CPU: it would otherwise start
+  libtpu where ``jax[tpu]`` is installed (cdpjax-compile's ahead-of-time
+  compiler), which prints errors about the missing TPU environment.
   """
   flags_now = os.environ.get("XLA_FLAGS", "")
   if not re.search(_COUNT_FLAG + r"=\d+", flags_now):
     os.environ["XLA_FLAGS"] = f"{flags_now} {_COUNT_FLAG}={count}".strip()
+  import jax  # pylint: disable=g-import-not-at-top  (importing it starts no backend)
+  from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+  if jax.config.jax_platforms is None and not (
+      hardware_utils.num_available_tpu_chips_and_device_id()[0]
+      or hardware_utils.has_visible_nvidia_gpu() or hardware_utils.num_available_amd_gpus()):
+    jax.config.update("jax_platforms", "cpu")
 
 
 def multi_process_launch() -> str | None:

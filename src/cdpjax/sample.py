@@ -11,8 +11,6 @@ most likely byte) given the last ``seq_len`` bytes; ``--seed`` fixes the draws.
 """
 import contextlib
 import functools
-import json
-import os
 import sys
 
 from absl import app
@@ -34,13 +32,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the draws.")
 
 def load_config(workdir: str):
   """The config a run saved in ``workdir/config.json``; a clear error when it is no LM run."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    raise ValueError(f"{path} does not exist: give the --workdir of a cdpjax-train run of "
-                     "configs/lm.py that saved a checkpoint.")
-  with open(path) as f:
-    c = ml_collections.ConfigDict(json.load(f))
+  from cdpjax import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.saved(workdir)
   if c.model != "transformer":
     raise ValueError(f"{workdir} holds a run of model={c.model!r}: sampling needs a language "
                      "model (configs/lm.py).")
@@ -49,19 +42,10 @@ def load_config(workdir: str):
 
 def restore_params(c, workdir: str):
   """``(model, params)`` of the newest checkpoint in ``workdir``, on the host."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from cdpjax import train  # pylint: disable=g-import-not-at-top
   with contextlib.redirect_stdout(sys.stderr):  # Its "runs as" line: stdout is the sample.
-    run = train._build(c)  # pylint: disable=protected-access  (the launcher's own build)
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, run.runner.init())
-  checkpointer = train.Checkpointer(workdir, c)
-  try:
-    restored = checkpointer.restore_latest(abstract)
-  finally:
-    checkpointer.close()
-  if restored is None:
-    raise ValueError(f"{workdir} has no checkpoint yet: train first (cdpjax-train).")
-  params = jax.device_get(run.runner.variables(restored[0])["params"])
+    run, state, _ = train.restore(c, workdir)
+  params = jax.device_get(run.runner.variables(state)["params"])
   return run.model, params
 
 

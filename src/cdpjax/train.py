@@ -806,8 +806,7 @@ def _train_locked(c, workdir: str) -> dict:
     log.close()
   checkpointer.close()
   if not summary["preempted"]:
-    summary.update(export_final_models(
-        c, state, run.runner.variables, run.model, run.sample, workdir, run.evaluate))
+    summary.update(export_models(c, run, state, workdir))
   if jax.process_index() == 0:
     with open(summary_path, "w") as f:
       json.dump(summary, f, indent=2)
@@ -926,38 +925,54 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
   return summary, state
 
 
-def export_final_models(c, state, variables_of, model, sample, workdir, evaluate) -> dict:
-  """Saves ``theta_T``, under every parallelism; with ``final_mean_view``, the authors' model too.
+def export_models(c, run: _Run, state, directory: str, prefix: str = "final_",
+                  mean_view: bool | None = None) -> dict:
+  """Saves ``theta_t`` as flax msgpack; with ``mean_view`` (default ``c.final_mean_view``), the
+  authors' final model too.
 
-  Writes flax msgpack files to ``workdir``: ``final_params.msgpack``
-  (``theta_T``'s parameters), ``final_model_state.msgpack`` for a model with
-  state (BatchNorm statistics, ``{"batch_stats": ...}``), and with
-  ``c.final_mean_view`` ``final_mean_view.msgpack``
-  (``engine.mean_worker_view``: for ``cdp-v1``, ``theta_{T-1}``), whose
-  ``final_mean_view_accuracy`` and ``_loss`` it returns.
+  Writes to ``directory``: ``{prefix}params.msgpack`` (``theta_t``'s
+  parameters), ``{prefix}model_state.msgpack`` for a model with state
+  (BatchNorm statistics, ``{"batch_stats": ...}``) and, with ``mean_view``,
+  ``{prefix}mean_view.msgpack`` (``engine.mean_worker_view``: for ``cdp-v1``,
+  ``theta_{t-1}``), whose eval metrics it returns as ``{prefix}mean_view_accuracy`` ...
   """
   from flax import serialization  # pylint: disable=g-import-not-at-top
-  variables = variables_of(state)
-  files = {"final_params": variables["params"]}
+  variables = run.runner.variables(state)
+  files = {"params": variables["params"]}
   model_state = {k: v for k, v in variables.items() if k != "params"}
   if model_state:
-    files["final_model_state"] = model_state
+    files["model_state"] = model_state
   metrics = {}
-  if c.final_mean_view:
-    stage_ids = model_stage_ids(c, model, variables["params"], sample)
+  if c.final_mean_view if mean_view is None else mean_view:
+    stage_ids = model_stage_ids(c, run.model, variables["params"], run.sample)
     rule = config_lib.delay_rule(c)
     delays = (rule(int(jax.device_get(state.step))) if isinstance(rule, schedule.DelayRule)
               else schedule.resolve(rule, c.num_workers, c.num_stages))
-    mean_view = {**variables, "params": engine.mean_worker_view(state, stage_ids, delays)}
-    files["final_mean_view"] = mean_view["params"]
-    metrics = {k.replace("eval/", "final_mean_view_"): v
-               for k, v in evaluate(mean_view).items()}
+    view = {**variables, "params": engine.mean_worker_view(state, stage_ids, delays)}
+    files["mean_view"] = view["params"]
+    metrics = {k.replace("eval/", f"{prefix}mean_view_"): v
+               for k, v in run.evaluate(view).items()}
   files = _on_host(files)  # Every process takes part where arrays span processes.
   if jax.process_index() == 0:
     for name, tree in files.items():
-      with open(os.path.join(workdir, f"{name}.msgpack"), "wb") as f:
+      with open(os.path.join(directory, f"{prefix}{name}.msgpack"), "wb") as f:
         f.write(serialization.to_bytes(tree))
   return metrics
+
+
+def restore(c, workdir: str) -> tuple[_Run, Any, int]:
+  """``(run, state, step)``: the run of ``c`` rebuilt, at the newest checkpoint in ``workdir``."""
+  run = _build(c)
+  checkpointer = Checkpointer(workdir, c)
+  try:
+    restored = checkpointer.restore_latest(
+        jax.tree.map(ocp.utils.to_shape_dtype_struct, run.runner.init()))
+  finally:
+    checkpointer.close()
+  if restored is None:
+    raise ValueError(f"{workdir} has no checkpoint yet: train first (cdpjax-train).")
+  state, meta = restored
+  return run, state, meta["step"]
 
 
 def _on_host(tree):
