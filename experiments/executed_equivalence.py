@@ -30,6 +30,7 @@ engine's other programs (2 devices a worker; YNN fusion on) 21.091236 and
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -57,7 +58,8 @@ def run_one(arg: str, steps: int, parallelism: str, rule: str, workdir: str) -> 
                       f"{arg}parallelism={parallelism},rule={rule}", num_workers=4,
                       num_stages=4, num_train_steps=steps, log_every_steps=1,
                       eval_every_steps=steps, checkpoint_every_steps=steps)
-  train.train_and_evaluate(c, workdir)
+  with contextlib.redirect_stdout(sys.stderr):  # The launcher's log; stdout is the table.
+    train.train_and_evaluate(c, workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     losses = [r["train/loss"] for r in map(json.loads, f) if "train/loss" in r]
   final = {}

@@ -1,8 +1,9 @@
 """Runs every benchmark and writes BENCHMARKS.md: their tables and the machine they ran on.
 
-Each script of ``BENCHES`` (``experiments/bench_*.py``, ``tpu_plan.py``) runs as a subprocess with its
-results folder flag (``--out_dir``, ``--results_dir`` or ``--out``, whichever
-it defines) pointing under ``--results_dir``, and ``--quick`` when given. The
+Each script of ``BENCHES`` (``experiments/bench_*.py``, ``tpu_plan.py``,
+``executed_equivalence.py``) runs as a subprocess with its results folder
+flag (``--out_dir``, ``--results_dir`` or ``--out``, whichever it defines)
+pointing under ``--results_dir``, and ``--quick`` when given. The
 report holds, per benchmark, the table it printed and the rows of the JSON it
 wrote; a benchmark that does not exist yet or fails gets a section saying so.
 
@@ -24,7 +25,8 @@ import time
 
 import _common
 
-BENCHES = ("bench_engine", "bench_pipeline", "bench_zero", "bench_overlap", "tpu_plan")
+BENCHES = ("bench_engine", "bench_pipeline", "bench_zero", "bench_overlap", "tpu_plan",
+           "executed_equivalence")
 DEVICE_COUNT = 8
 
 

@@ -9,6 +9,8 @@ import pytest
 from cdpjax import aot, config as config_lib
 from cdpjax.data import digits
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 TOPOLOGY = "v5e:2x4"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu: pip install -e '.[test]'")

@@ -13,6 +13,8 @@ import pytest
 from cdpjax import config as config_lib
 from cdpjax import engine, schedule, stages, train
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N, J, D = 4, 3, 2
 

@@ -21,6 +21,8 @@ from flax import serialization
 from cdpjax import config as config_lib
 from cdpjax import train
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RULES = ("dp", "cdp-v1", "cdp-v2")
 PARALLELISMS = ("model", "zero")

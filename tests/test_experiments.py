@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 

@@ -24,6 +24,8 @@ from cdpjax import train
 from test_reliability import (LONG, checkpoint_steps, last_line, launcher, run, train_losses,
                               wait_for)
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # 6 steps, a checkpoint every 2, a constant learning rate (a resume replays the same losses).
 SHORT = ("num_train_steps=6", "checkpoint_every_steps=2", "eval_every_steps=6",

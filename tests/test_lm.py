@@ -18,6 +18,8 @@ from cdpjax import data, sample, stages, tasks, train
 from cdpjax.data import text, tfds_pipeline
 from cdpjax.models.transformer import Transformer
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=256, num_layers=2, d_model=32, num_heads=4, d_ff=64, seq_len=16)
 

@@ -26,6 +26,8 @@ from cdpjax import config as config_lib
 from cdpjax import distributed
 from cdpjax import train
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
 RUN_TIMEOUT_S = 240  # One launched process, start to exit, on a loaded 2-core machine.

@@ -16,6 +16,8 @@ from cdpjax.executed import staged as staged_lib
 
 import executed_reference as ref
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 STEPS_PER_CALL = 2
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 

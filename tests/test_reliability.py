@@ -25,6 +25,8 @@ from cdpjax import config as config_lib
 from cdpjax import engine
 from cdpjax import train
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -25,6 +25,8 @@ import pytest
 from cdpjax import compiled, models, train
 from cdpjax.executed import staged as staged_lib
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Model options: ResNet-18 as configs/digits.py builds it, the others at smoke
 # widths; units block_0..block_{L-1}.

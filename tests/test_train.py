@@ -18,6 +18,8 @@ from cdpjax import executor
 from cdpjax import schedule
 from cdpjax import train
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

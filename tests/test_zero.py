@@ -16,6 +16,8 @@ from cdpjax.executed import staged as staged_lib
 
 import executed_reference as ref
 
+pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
