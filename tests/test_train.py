@@ -306,12 +306,12 @@ class TestBadMeshKeys:
     with pytest.raises(ValueError, match=r"mesh \{'replica': 4, 'data': 4\} needs 16 devices"):
       train.make_mesh(c)
 
-  def test_resume_refuses_a_new_mesh_key(self):
+  def test_resume_refuses_a_new_mesh_key_but_not_a_new_placement(self):
     refused, _ = train.config_changes({"num_replicas": 1}, {"num_replicas": 2})
     assert set(refused) == {"num_replicas"}
     # A checkpoint written before the key existed ran with one replica, on one device a worker.
-    refused, _ = train.config_changes({}, {"num_replicas": 2, "devices_per_worker": 2})
-    assert set(refused) == {"num_replicas", "devices_per_worker"}
+    refused, allowed = train.config_changes({}, {"num_replicas": 2, "devices_per_worker": 2})
+    assert set(refused) == {"num_replicas"} and set(allowed) == {"devices_per_worker"}
     assert train.config_changes({}, {"num_replicas": 1, "devices_per_worker": 1}) == ({}, {})
 
 

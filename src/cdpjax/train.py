@@ -295,13 +295,16 @@ class NonFiniteError(TrainError, FloatingPointError):
 
 
 # Config keys a resume may change: they change the learning rate, the length
-# of the run or what is written, which is what a user continues a run to do.
+# of the run or what is written, which is what a user continues a run to do,
+# or how the same state is placed (the backend, devices_per_worker: the
+# checkpoint is restored into the new shardings).
 # Every other key changes the trajectory (the seed and batch size pick the
 # data, the rest the algorithm or model), so a change refuses to resume.
 RESUMABLE_KEYS = ("learning_rate", "lr_schedule", "lr_decay_factor", "lr_decay_every_epochs",
                   "warmup_epochs", "num_train_steps", "num_epochs", "log_every_steps",
                   "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints",
-                  "eval_batch_size", "data_dir", "backend", "steps_per_call", "resume_step")
+                  "eval_batch_size", "data_dir", "backend", "steps_per_call", "resume_step",
+                  "devices_per_worker")
 
 
 def _config_dict(c) -> dict:
