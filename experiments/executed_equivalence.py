@@ -42,7 +42,7 @@ from cdpjax import distributed  # (imports no JAX)
 distributed.emulate_cpu_devices(8)
 
 import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top
-from flax import serialization  # noqa: E402
+from flax import traverse_util  # noqa: E402
 
 from cdpjax import config as config_lib  # noqa: E402
 from cdpjax import train  # noqa: E402
@@ -62,30 +62,20 @@ def run_one(arg: str, steps: int, parallelism: str, rule: str, workdir: str) -> 
     train.train_and_evaluate(c, workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     losses = [r["train/loss"] for r in map(json.loads, f) if "train/loss" in r]
-  final = {}
-  for name in ("final_params", "final_model_state"):
-    path = os.path.join(workdir, f"{name}.msgpack")
-    if os.path.exists(path):
-      with open(path, "rb") as f:
-        final[name] = serialization.msgpack_restore(f.read())
-  return {"losses": losses, "final": final}
+  return {"losses": losses, "final": train.exported(workdir)}
 
 
-def _leaves(tree, prefix=""):
-  for k, v in tree.items():
-    if isinstance(v, dict):
-      yield from _leaves(v, f"{prefix}/{k}")
-    else:
-      yield f"{prefix}/{k}", np.asarray(v)
+def _leaves(tree) -> dict:
+  return {k: np.asarray(v) for k, v in traverse_util.flatten_dict(tree, sep="/").items()}
 
 
 def compare(got: dict, want: dict) -> dict:
   loss_rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"]))
   worst = {}
   for name in want["final"]:
-    g = dict(_leaves(got["final"][name]))
+    g = _leaves(got["final"][name])
     errors = {k: float(np.abs(g[k] - w).max() / max(np.abs(w).max(), 1e-30))
-              for k, w in _leaves(want["final"][name])}
+              for k, w in _leaves(want["final"][name]).items()}
     key = max(errors, key=errors.get)
     worst[name] = {"leaf": key, "of_scale": errors[key]}
   return {"loss_rel": float(loss_rel), "worst_leaf": worst,

@@ -963,6 +963,18 @@ def export_models(c, run: _Run, state, directory: str, prefix: str = "final_",
   return metrics
 
 
+def exported(directory: str, prefix: str = "final_") -> dict:
+  """``{"params": ..., "model_state": ...}`` (those present) as `export_models` wrote them."""
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name in ("params", "model_state", "mean_view"):
+    path = os.path.join(directory, f"{prefix}{name}.msgpack")
+    if os.path.exists(path):
+      with open(path, "rb") as f:
+        out[name] = serialization.msgpack_restore(f.read())
+  return out
+
+
 def restore(c, workdir: str) -> tuple[_Run, Any, int]:
   """``(run, state, step)``: the run of ``c`` rebuilt, at the newest checkpoint in ``workdir``."""
   run = _build(c)
