@@ -2,8 +2,8 @@
 
 Four models: the residual MLP, ResNet-18 and ResNet-50 (heterogeneous stages
 cut by FLOPs, with BatchNorm) and the transformer language model, each with
-N = J = 2 (here) and 4 (tests/test_executors_4.py) and SGD with momentum and
-weight decay. A run under
+N = J = 2 (here; ResNet-50 not) and 4 (tests/test_executors_4.py) and SGD
+with momentum and weight decay. A run under
 ``parallelism=model`` or ``zero`` logs the losses of the same run under
 ``data`` (the engine), and ends with the same ``theta_T``: every parameter
 leaf and the model state (BatchNorm statistics) from ``final_params.msgpack``
@@ -124,11 +124,12 @@ def launched(model, parallelism, rule, size, workdir_root, capsys):
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("parallelism", PARALLELISMS)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "resnet50"])
 def test_every_model_parallelism_and_rule_runs_the_engines_run(model, parallelism, rule,
                                                                workdir_root, capsys):
   """N = J = 2; tests/test_executors_4.py runs N = J = 4 (a file of its own: the suite's two
-  workers take a file each)."""
+  workers take a file each). ResNet-50 only there: its compiles are the suite's longest (the
+  suite took 14 min with a cold cache with it here), and it is cut by FLOPs as ResNet-18 is."""
   check_against_the_engine(model, parallelism, rule, 2, workdir_root, capsys)
 
 
