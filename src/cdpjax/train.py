@@ -470,13 +470,17 @@ class Checkpointer:
     return (f"The newest checkpoint is {self._where(step)} (step {step}): rerunning the same "
             "command resumes from it.")
 
-  def finish_after_error(self) -> str:
-    """Waits for the save in flight, so it is kept whole; returns ``newest()``."""
+  def finish_after_error(self, diverged_from: int | None = None) -> str:
+    """Waits for the save in flight, so it is kept whole; returns ``newest()``, or after a
+    divergence ``set_aside_diverged(diverged_from)``."""
+    failed = ""
     try:
       self.manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      return f"Saving checkpoint {self.saved_step} failed ({type(e).__name__}: {e}). " + self.newest()
-    return self.newest()
+      failed = f"Saving checkpoint {self.saved_step} failed ({type(e).__name__}: {e}). "
+    if diverged_from is None:
+      return failed + self.newest()
+    return failed + self.set_aside_diverged(diverged_from)
 
   def close(self) -> None:
     self.manager.wait_until_finished()
@@ -799,9 +803,8 @@ def _train_locked(c, workdir: str) -> dict:
   try:
     summary, state = _loop(c, run, state, start, checkpointer, log)
   except BaseException as e:
-    where = checkpointer.finish_after_error()
-    if isinstance(e, NonFiniteError):
-      where = checkpointer.set_aside_diverged(e.unsafe_from)
+    where = checkpointer.finish_after_error(
+        e.unsafe_from if isinstance(e, NonFiniteError) else None)
     if isinstance(e, Exception):
       e.add_note(where)
     raise
