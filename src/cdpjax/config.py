@@ -103,7 +103,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.seed = 0
   # Also evaluate and save the authors' final model (the mean over workers of
-  # each worker's view; parallelism=data) next to theta_T.
+  # each worker's view; any parallelism) next to theta_T.
   c.final_mean_view = False
   c.log_every_steps = 10
   c.eval_every_steps = 100
@@ -161,9 +161,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
           f"rule={c.rule!r} changes the delays every step, which only the update-rule engine "
           "runs: use --config.parallelism=data.")
     delay_rule(c)  # Raises on a bad max_delay, distribution or straggler count.
-  if c.final_mean_view and c.parallelism != "data":
-    raise ValueError("--config.final_mean_view reads the engine's parameter versions: use "
-                     "--config.parallelism=data.")
   for key, valid in (("parallelism", PARALLELISMS), ("backend", BACKENDS),
                      ("lr_schedule", LR_SCHEDULES), ("stages_by", STAGES_BY)):
     if c[key] not in valid:

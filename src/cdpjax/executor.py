@@ -13,7 +13,15 @@ An ``Executor`` is a NamedTuple of pure functions, in optax's style:
   gets real norms, the others may skip them);
 - ``variables(state)``: ``{"params": theta_t, **model_state}``, plain flax
   variables readable on every process (evaluation, export);
-- ``lower(state, batch)``: the lowered step (StableHLO, memory, cost).
+- ``lower(state, batch)``: the lowered step (StableHLO, memory, cost);
+- ``to_portable(state)`` and ``from_portable(portable)``: the state in the one
+  form every executor of the same rule, N and J reads: the engine's
+  ``CyclicState`` of flax trees (``theta_t``, the stale versions with None
+  where no worker reads a stage at that age, the optimizer state of the
+  parameter tree, the model state). Checkpoints hold it, so a run resumes
+  under another parallelism, backend or mesh; ``from_portable`` places it on
+  this executor's devices. The executed schedules convert with one program
+  each way (the portable arrays spread over the mesh, `spread`).
 
 ``plan`` says what runs: the rule resolved once (`resolve`) into the delay
 matrix, the number of stale versions the state keeps and the executed
@@ -149,6 +157,18 @@ def place(tree, sharding):
                       sharding)
 
 
+def spread(tree, mesh):
+  """Shardings of ``tree``: each leaf split over all of ``mesh`` on its first axis of a size the
+  device count divides, else replicated. Where the portable state lives (`Executor`)."""
+  def sharding(x):
+    for axis, size in enumerate(np.shape(x)):
+      if size % mesh.size == 0:
+        return jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(*(None,) * axis, tuple(mesh.axis_names)))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(sharding, tree)
+
+
 class Executor(NamedTuple):
   """How one parallelism runs one rule; see the module docstring."""
   init: Callable[..., Any]
@@ -156,6 +176,8 @@ class Executor(NamedTuple):
   variables: Callable[[Any], dict]
   lower: Callable[[Any, Any], Any]
   plan: RulePlan
+  to_portable: Callable[[Any], Any]
+  from_portable: Callable[[Any], Any]
 
 
 def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule, mesh,
@@ -199,7 +221,8 @@ def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule,
 
   return Executor(init=init, step=step,
                   variables=lambda s: {"params": s.params, **(s.model_state or {})},
-                  lower=lower, plan=plan)
+                  lower=lower, plan=plan, to_portable=lambda s: s,
+                  from_portable=lambda s: jax.device_put(s, replicated))
 
 
 def _staged(model, params, model_state, stage_ids, sample_input, loss_fn, pad_to=1):

@@ -9,8 +9,8 @@ files that ``flax.serialization.msgpack_restore`` reads without cdpjax:
 - ``model_state.msgpack``: its model state (BatchNorm statistics), for a
   model with one;
 - with ``--mean_view``, ``mean_view.msgpack``: the authors' final model, the
-  mean over workers of each worker's view (``parallelism=data``), and its
-  eval metrics on stdout.
+  mean over workers of each worker's view (any parallelism), and its eval
+  metrics on stdout.
 
   cdpjax-export --workdir runs/digits
   cdpjax-export --workdir runs/digits --mean_view --out runs/digits-export
@@ -27,7 +27,7 @@ from cdpjax import distributed
 _WORKDIR = flags.DEFINE_string("workdir", None, "A cdpjax-train run's workdir.")
 _OUT = flags.DEFINE_string("out", None, "Where to write (default: <workdir>/export/step_<t>).")
 _MEAN_VIEW = flags.DEFINE_bool("mean_view", False, "Also write (and evaluate) the mean worker "
-                               "view, the authors' final model (parallelism=data).")
+                               "view, the authors' final model.")
 
 
 def main(argv):
@@ -37,9 +37,6 @@ def main(argv):
   from cdpjax import config as config_lib  # pylint: disable=g-import-not-at-top
   try:
     c = config_lib.saved(_WORKDIR.value)
-    if _MEAN_VIEW.value and c.parallelism != "data":
-      raise ValueError(f"--mean_view reads the engine's parameter versions, but {_WORKDIR.value} "
-                       f"ran parallelism={c.parallelism!r}: leave --mean_view out.")
     distributed.emulate_cpu_devices(config_lib.num_devices(c))  # The run's mesh, as it trained.
     from cdpjax import train  # pylint: disable=g-import-not-at-top  (after the device count)
     run, state, step = train.restore(c, _WORKDIR.value)

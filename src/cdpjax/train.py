@@ -50,6 +50,8 @@ class Runner(NamedTuple):
   init: Callable[[], Any]                    # -> state at step 0.
   step: Callable[..., tuple]                 # (state, k batches, k norms flags) -> (state, [k] metrics)
   variables: Callable[[Any], dict]           # state -> flax variables of theta_t.
+  to_portable: Callable[[Any], Any]          # state -> the form checkpoints hold (any executor).
+  from_portable: Callable[[Any], Any]        # that form -> state, on this run's devices.
   steps_per_call: int                        # K: the steps of one compiled call.
   idle_fraction: float                       # Idle device-slots of the executed K-step call.
 
@@ -178,8 +180,10 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
     return executors[k].step(state, to_global(stacked, mesh, stacked=True), norms=np.array(norms))
 
-  return Runner(init=lambda: executors[num].init(params, model_state), step=step,
-                variables=executors[num].variables, steps_per_call=num, idle_fraction=idle)
+  ex = executors[num]
+  return Runner(init=lambda: ex.init(params, model_state), step=step, variables=ex.variables,
+                to_portable=ex.to_portable, from_portable=ex.from_portable,
+                steps_per_call=num, idle_fraction=idle)
 
 
 def _mesh_words(c) -> str:
@@ -296,15 +300,16 @@ class NonFiniteError(TrainError, FloatingPointError):
 
 # Config keys a resume may change: they change the learning rate, the length
 # of the run or what is written, which is what a user continues a run to do,
-# or how the same state is placed (the backend, devices_per_worker: the
-# checkpoint is restored into the new shardings).
+# or which executor runs the same rule on which devices (parallelism, backend,
+# devices_per_worker: checkpoints hold the portable state, `executor.Executor`,
+# which each executor restores into its own layout).
 # Every other key changes the trajectory (the seed and batch size pick the
 # data, the rest the algorithm or model), so a change refuses to resume.
 RESUMABLE_KEYS = ("learning_rate", "lr_schedule", "lr_decay_factor", "lr_decay_every_epochs",
                   "warmup_epochs", "num_train_steps", "num_epochs", "log_every_steps",
                   "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints",
                   "eval_batch_size", "data_dir", "backend", "steps_per_call", "resume_step",
-                  "devices_per_worker")
+                  "devices_per_worker", "parallelism")
 
 
 def _config_dict(c) -> dict:
@@ -781,10 +786,10 @@ def _train_locked(c, workdir: str) -> dict:
   run = _build(c)
   state = run.runner.init()
   start = 0
-  restored = checkpointer.restore_latest(jax.tree.map(ocp.utils.to_shape_dtype_struct, state),
-                                        c.resume_step)
+  restored = checkpointer.restore_latest(_abstract_portable(run.runner, state), c.resume_step)
   if restored is not None:
-    state, meta = restored
+    portable, meta = restored
+    state = run.runner.from_portable(portable)
     start = meta["data_position"]
   # Only now, after the checks: config.json describes the run the checkpoints hold.
   if jax.process_index() == 0:
@@ -905,7 +910,7 @@ def _loop(c, run: _Run, state, start: int, checkpointer: Checkpointer,
             raise NonFiniteError(
                 f"The parameters after step {step} are not finite (the loss of that step was "
                 "finite): not saving them.", unsafe_from=step)
-          checkpointer.save(step, state, data_position=step)
+          checkpointer.save(step, runner.to_portable(state), data_position=step)
         if stop:
           break
       if pending is not None:
@@ -954,7 +959,8 @@ def export_models(c, run: _Run, state, directory: str, prefix: str = "final_",
     rule = config_lib.delay_rule(c)
     delays = (rule(int(jax.device_get(state.step))) if isinstance(rule, schedule.DelayRule)
               else schedule.resolve(rule, c.num_workers, c.num_stages))
-    view = {**variables, "params": engine.mean_worker_view(state, stage_ids, delays)}
+    view = {**variables,
+            "params": engine.mean_worker_view(run.runner.to_portable(state), stage_ids, delays)}
     files["mean_view"] = view["params"]
     metrics = {k.replace("eval/", f"{prefix}mean_view_"): v
                for k, v in run.evaluate(view).items()}
@@ -983,14 +989,18 @@ def restore(c, workdir: str) -> tuple[_Run, Any, int]:
   run = _build(c)
   checkpointer = Checkpointer(workdir, c)
   try:
-    restored = checkpointer.restore_latest(
-        jax.tree.map(ocp.utils.to_shape_dtype_struct, run.runner.init()))
+    restored = checkpointer.restore_latest(_abstract_portable(run.runner, run.runner.init()))
   finally:
     checkpointer.close()
   if restored is None:
     raise ValueError(f"{workdir} has no checkpoint yet: train first (cdpjax-train).")
-  state, meta = restored
-  return run, state, meta["step"]
+  portable, meta = restored
+  return run, run.runner.from_portable(portable), meta["step"]
+
+
+def _abstract_portable(runner: Runner, state):
+  """What a checkpoint restores into: the portable form of ``state``'s shapes and shardings."""
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, runner.to_portable(state))
 
 
 def _on_host(tree):

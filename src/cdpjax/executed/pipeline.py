@@ -57,7 +57,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cdpjax import compiled
+from cdpjax import compiled, engine
 from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
@@ -106,6 +106,82 @@ def variables(state, staged: StagedModel) -> dict:
   """``theta_t`` and the model state as flax variables (evaluation, checkpoints)."""
   return staged.unpack(jax.device_get(replicated(state.params)),
                        jax.device_get(jax.tree.map(replicated, state.model_state)))
+
+
+def portable_fns(staged: StagedModel, tx: optax.GradientTransformation, plan, mesh: Mesh,
+                 shardings, rows=lambda x: x):
+  """``(to_portable, from_portable)``: a ``StagedState`` to and from the engine's state.
+
+  The portable form (`executor.Executor`) is an ``engine.CyclicState`` of flax
+  trees, as the engine keeps it: a stale leaf of a stage that no worker reads
+  at that age is None; ``from_portable`` fills it with ``theta_t`` (never
+  read). Per-stage copies of a scalar optimizer leaf (a step count) are one
+  scalar there. Both run as one program on the devices; the portable arrays
+  are spread over the mesh (`executor.spread`). ``rows`` maps stage order to
+  the state's row order and back (ZeRO's owner order).
+
+  Args:
+    staged: the model cut into stages.
+    tx: the elementwise optimizer of the state.
+    plan: the rule's plan (its delay matrix says which stale leaves are read).
+    mesh: the executor's mesh.
+    shardings: ``shardings(state) -> `` the executor's shardings of a state.
+    rows: an involution on the leading axis.
+  """
+  depth = np.max(plan.delays, axis=0, initial=0)  # Per stage: the oldest version read.
+  stage_of_unit = {u: j for j, units in enumerate(staged.units) for u in units}
+  num_stages = staged.num_stages
+  flat_opt = jax.eval_shape(jax.vmap(tx.init), jax.ShapeDtypeStruct(
+      (num_stages, staged.param_size), jnp.float32))
+
+  def trees(flat):
+    return staged.unpack(rows(flat))["params"]
+
+  def to_portable(state: StagedState) -> engine.CyclicState:
+    stale = tuple({u: tree if depth[stage_of_unit[u]] >= age else jax.tree.map(lambda _: None, tree)
+                   for u, tree in trees(version).items()}
+                  for age, version in enumerate(state.stale_params, 1))
+    opt = jax.tree.map(lambda x: trees(x) if x.shape == state.params.shape else x[0],
+                       state.opt_state)
+    model_state = None
+    if state.model_state is not None:
+      model_state = staged.unpack(rows(state.params), rows(state.model_state))
+      model_state.pop("params")
+    return engine.CyclicState(state.step, trees(state.params), stale, opt, model_state)
+
+  def flat(tree):
+    return rows(staged.pack_params(tree))
+
+  def from_portable(p: engine.CyclicState) -> StagedState:
+    stale = tuple(flat(jax.tree.map(lambda s, x: x if s is None else s, version, p.params,
+                                    is_leaf=lambda s: s is None))
+                  for version in p.stale_params)
+    subtrees = jax.tree.structure(flat_opt).flatten_up_to(p.opt_state)
+    opt = jax.tree.unflatten(jax.tree.structure(flat_opt), [
+        flat(sub) if like.shape == (num_stages, staged.param_size)
+        else jnp.broadcast_to(jnp.asarray(sub, like.dtype), like.shape)
+        for like, sub in zip(jax.tree.leaves(flat_opt), subtrees)])
+    model_state = None
+    if p.model_state is not None:
+      model_state = rows(staged.pack(p.params, p.model_state)[1])
+    return StagedState(jnp.asarray(p.step, jnp.int32), flat(p.params), stale, opt, model_state)
+
+  everywhere = NamedSharding(mesh, P())
+
+  def jitted(fn, out_shardings):
+    def whole(state):  # Each device converts the whole state (as `variables` copies theta_t).
+      return fn(jax.tree.map(lambda x: jax.sharding.reshard(x, everywhere), state))
+    cache = {}
+
+    def run(state):
+      key = jax.tree.structure(state, is_leaf=lambda s: s is None)
+      if key not in cache:
+        cache[key] = jax.jit(whole, out_shardings=out_shardings(jax.eval_shape(whole, state)))
+      return cache[key](state)
+    return run
+
+  return (jitted(to_portable, lambda out: executor_lib.spread(out, mesh)),
+          jitted(from_portable, shardings))
 
 
 def _stage_axis_size(mesh: Mesh) -> int:
@@ -445,12 +521,14 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
     versions = ring.versions(versions_ring)
     return state._replace(params=versions[0], stale_params=versions[1:]), finish(raw)
 
+  to_portable, from_portable = portable_fns(staged, tx, plan, mesh,
+                                            lambda state: _state_sharding(mesh, state))
   return executor_lib.Executor(
       init=lambda params, model_state=None: init_state(staged, params, tx, rule=rule, mesh=mesh,
                                                        model_state=model_state),
       step=step, variables=lambda state: variables(state, staged),
       lower=lambda state, batch: run.lower(*prepare(state, batch, abstract_ring=True)),
-      plan=plan)
+      plan=plan, to_portable=to_portable, from_portable=from_portable)
 
 
 def _layout(mesh: Mesh, timetable, num_stages: int, num_micro_batches):

@@ -157,20 +157,28 @@ class StagedModel:
   def pack(self, params, model_state=None) -> tuple[np.ndarray, np.ndarray]:
     """``([J, P], [J, M])`` float32 host arrays in stage order (traced under ``jax.eval_shape``)."""
     stack = jnp.stack if _traced((params, model_state)) else np.stack
-    p = stack([layout.pack({u: params[u] for u in units}, self.param_size)
-               for layout, units in zip(self._param_layouts, self.units)])
     s = stack([layout.pack(self._stage_state(model_state, units), self.state_size)
                for layout, units in zip(self._state_layouts, self.units)])
-    return p, s
+    return self.pack_params(params), s
+
+  def pack_params(self, params):
+    """``[J, P]``: the parameters of ``pack`` alone."""
+    stack = jnp.stack if _traced(params) else np.stack
+    return stack([layout.pack({u: params[u] for u in units}, self.param_size)
+                  for layout, units in zip(self._param_layouts, self.units)])
 
   def unpack(self, params_JxP, state_JxM=None) -> dict:
-    """The flax variables ``{"params": ..., **model_state}`` of ``[J, P]`` (and ``[J, M]``)."""
-    params_JxP = np.asarray(params_JxP)
+    """The flax variables ``{"params": ..., **model_state}`` of ``[J, P]`` (and ``[J, M]``).
+
+    Host arrays give host arrays; traced ones (under ``jax.jit``) traced leaves.
+    """
+    as_array = (lambda x: x) if _traced((params_JxP, state_JxM)) else np.asarray
+    params_JxP = as_array(params_JxP)
     params, state = {}, {c: {} for c in self.collections}
     for j, units in enumerate(self.units):
       params.update(self._param_layouts[j].unpack(params_JxP[j]))
-      if self.state_size:
-        for c, tree in self._state_layouts[j].unpack(np.asarray(state_JxM)[j]).items():
+      if self.state_size and state_JxM is not None:
+        for c, tree in self._state_layouts[j].unpack(as_array(state_JxM)[j]).items():
           state[c].update(tree)
     return {"params": params, **state}
 

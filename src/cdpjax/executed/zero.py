@@ -70,7 +70,7 @@ from cdpjax import compiled
 from cdpjax import executor as executor_lib
 from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
-from cdpjax.executed.pipeline import StagedState, replicated
+from cdpjax.executed.pipeline import StagedState, portable_fns, replicated
 from cdpjax.executed.staged import (StagedModel, after as staged_after, block as staged_block,
                                     set_block, steps_batch, vary, with_steps_axis)
 
@@ -671,11 +671,14 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
       state = _by_age(state, scan_steps or 1)
     return state, metrics(rows)
 
+  to_portable, from_portable = portable_fns(
+      staged, tx, plan, mesh, lambda state: _shardings(state, mesh, plan.timetable), _owner_rows)
   return executor_lib.Executor(
       init=lambda params, model_state=None: init_state(staged, params, tx, rule=rule, mesh=mesh,
                                                        model_state=model_state),
       step=step, variables=lambda state: variables(state, staged),
-      lower=lambda state, batch: run.lower(*prepare(state, batch)), plan=plan)
+      lower=lambda state, batch: run.lower(*prepare(state, batch)), plan=plan,
+      to_portable=to_portable, from_portable=from_portable)
 
 
 def _resolve(rule, timetable, num_workers) -> executor_lib.RulePlan:
