@@ -34,7 +34,7 @@ NUM_STEPS = 3
 # Measured, ResNet-50, N = J = 4, 16 rows a worker, model against data: at
 # 1e-3 a leaf of theta_3 is 47% of its scale off (and two data runs, 1 and 2
 # devices a worker, differ as much); at 1e-4, 3.9e-5.
-LEARNING_RATE = {"residual_mlp": 0.05, "resnet18": 1e-3, "resnet50": 1e-4, "transformer": 0.05}
+LEARNING_RATE = {"residual_mlp": 0.05, "resnet18": 1e-3, "resnet50": 1e-4, "transformer": 2e-3}
 
 
 def load_config(arg, **overrides):
@@ -42,7 +42,8 @@ def load_config(arg, **overrides):
 
 
 def smoke_config(model, parallelism, rule, size=2):
-  """A 3-step smoke run with N = J = ``size``, SGD with momentum and weight decay.
+  """A 3-step smoke run with N = J = ``size``, SGD with momentum and weight decay (the
+  transformer: AdamW, whose decay of matrices only the executed modes once dropped).
 
   A constant learning rate without warm-up, so that every update moves the
   weights; no clip (the executed modes refuse a global one). The transformer:
@@ -53,7 +54,8 @@ def smoke_config(model, parallelism, rule, size=2):
                 optimizer="sgd", momentum=0.9, weight_decay=5e-4, lr_schedule="constant",
                 warmup_steps=0, warmup_epochs=0.0, grad_clip_norm=0.0,
                 learning_rate=LEARNING_RATE[model])
-  if model == "transformer":
+  if model == "transformer":  # The LM's AdamW, which decays its matrices only.
+    common.update(optimizer="adamw", weight_decay=0.1)
     c = config_lib.load(str(ROOT / "configs" / "lm.py"),
                         f"smoke,parallelism={parallelism},rule={rule}", **common)
     c.model_kwargs.num_layers = 4
@@ -92,9 +94,10 @@ def assert_same_metrics(got, want, grad_rtol=1e-5, param_rtol=1e-5):
       np.testing.assert_allclose(got[step][k], want[step][k], rtol=rtol, err_msg=f"{step} {k}")
 
 
-def assert_same_final(got, want, leaf_tol=1e-4, scale_of="leaf"):
+def assert_same_final(got, want, leaf_tol=1e-4, scale_of="leaf", looser=None):
   """``theta_T`` and the model state leaf by leaf within ``leaf_tol`` of each leaf's scale (or,
-  ``scale_of="model"``, of the largest magnitude of its collection); the final eval within 1e-4."""
+  ``scale_of="model"``, of the largest magnitude of its collection; ``looser``: ``{part of a
+  leaf's name: its tolerance}``); the final eval within 1e-4."""
   (_, got_summary, got_final), (_, want_summary, want_final) = got, want
   assert sorted(got_final) == sorted(want_final) and "params" in want_final
   flat_got = traverse_util.flatten_dict(got_final, sep="/")
@@ -105,7 +108,8 @@ def assert_same_final(got, want, leaf_tol=1e-4, scale_of="leaf"):
   for key, w in flat_want.items():
     scale = max(float(np.abs(w).max()) if scale_of == "leaf" else largest[key.split("/")[0]],
                 1e-30)
-    np.testing.assert_allclose(flat_got[key], w, rtol=0, atol=leaf_tol * scale, err_msg=key)
+    tol = next((t for part, t in (looser or {}).items() if part in key), leaf_tol)
+    np.testing.assert_allclose(flat_got[key], w, rtol=0, atol=tol * scale, err_msg=key)
   evals = [k for k in want_summary if k.startswith("final_") and k != "final_step"]
   assert evals and sorted(evals) == sorted(k for k in got_summary if k.startswith("final_")
                                            and k != "final_step")
@@ -145,8 +149,16 @@ def check_against_the_engine(model, parallelism, rule, size, workdir_root, capsy
   its other 63 entries agree to 1e-4; block_0.bn1.bias 4.7e-3 of its scale.
   The same code at two parameter vectors 8.5e-7 of a leaf's scale apart gives
   step gradients 2e-4 apart (ResNet-18 of configs/digits.py, dp, step 2).
+
+  The transformer's ``attn/qkv/bias``: 1e-3 of its scale. Its key part has no
+  gradient (softmax is invariant to it), so what it gets is float32 rounding
+  noise, which Adam turns into steps of up to the learning rate. Measured at
+  N = J = 2: up to 2.2e-4 of the leaf's scale (1.2e-6 absolute); every other
+  leaf within 1.4e-6 of its scale. Without the decay of matrices (the
+  executed modes before `train.decay_matrices`), the kernels are 6e-4 off.
   """
   got, want = launched(model, parallelism, rule, size, workdir_root, capsys)
   resnet50 = model == "resnet50"
   assert_same_metrics(got[0], want[0], grad_rtol=2e-3 if resnet50 else 1e-4)
-  assert_same_final(got, want, scale_of="model" if resnet50 else "leaf")
+  assert_same_final(got, want, scale_of="model" if resnet50 else "leaf",
+                    looser={"attn/qkv/bias": 1e-3})

@@ -4,7 +4,10 @@ ResNet-18 of configs/digits.py (heterogeneous stages cut by FLOPs, BatchNorm
 statistics), N = J = 4, cdp-v2, SGD with momentum and weight decay, one
 checkpoint a step:
 
-- the conversion is exact: a checkpoint restored under ``model`` or ``zero``
+- the conversion is exact: `executed.pipeline.Trees` maps the engine's state
+  of the transformer (AdamW, whose decay mask is a scalar per leaf) and of
+  ResNet-18 (momentum, BatchNorm) to stage rows and back, bit for bit, in
+  stage and in owner (ZeRO) row order; a checkpoint restored under ``model`` or ``zero``
   and converted back (`executor.Executor.to_portable`) is the checkpoint,
   bit for bit, as the engine restores it (every version kept, the optimizer
   state with its step count, the BatchNorm statistics);
@@ -18,10 +21,11 @@ import jax
 import numpy as np
 import pytest
 
-from cdpjax import train
+from cdpjax import engine, models, stages, train
+from cdpjax.executed import pipeline, staged as staged_lib
 from test_executors import smoke_config
 
-pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
+slow = pytest.mark.slow  # Not in the fast subset (README, Tests).
 
 LEGS = ("data", "model", "zero", "data")
 
@@ -40,6 +44,47 @@ def losses(workdir):
   return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
+@pytest.mark.parametrize("name,optimizer", [("transformer", "adamw"), ("resnet18", "sgd")])
+@pytest.mark.parametrize("owner_rows", [False, True])
+def test_trees_convert_the_engines_state_to_stage_rows_and_back_exactly(name, optimizer,
+                                                                        owner_rows):
+  rng = np.random.default_rng(0)
+  if name == "transformer":
+    model = models.create_model(name, 32, vocab_size=32, num_layers=4, d_model=16, num_heads=2,
+                                d_ff=32, seq_len=8, positions="learned", tie_embeddings=False)
+    x = rng.integers(0, 32, size=(2, 8)).astype(np.int32)
+  else:
+    model = models.create_model(name, 10, width=4, stem="cifar")
+    x = rng.normal(size=(2, 8, 8, 1)).astype(np.float32)
+  variables = dict(model.init(jax.random.key(0), x, train=False))
+  params = variables.pop("params")
+  order = stages.execution_order(model, x, train=True)
+  stage_ids = stages.partition(params, 4, order=order, by="params")
+  staged = staged_lib.stage_model(model, params, stage_ids, x, model_state=variables or None,
+                                  pad_to=4)
+  c = smoke_config(name if name == "transformer" else "resnet18", "model", "cdp-v2", size=4)
+  assert c.optimizer == optimizer
+  tx = train.make_optimizer(c, lambda step: 1e-3)
+  rule_delays = np.array([[1, 1, 0, 0]] * 4)  # Stages 2 and 3 read no stale version.
+  state = engine.init_state(params, tx, rule="cdp-v2", model_state=variables or None)
+  state = state._replace(  # Moved off theta_0, so that the versions and moments differ.
+      stale_params=(jax.tree.map(lambda p: p - 0.5, state.params),),
+      opt_state=jax.tree.map(lambda s: s + 0.25 if s.dtype == np.float32 else s + 3,
+                             state.opt_state))
+  trees = pipeline.Trees(staged, tx, (lambda r: r[::-1]) if owner_rows else (lambda r: r))
+  rows = trees.from_trees(state)
+  assert rows.params.shape == (4, staged.param_size)
+  back = trees.to_trees(rows, rule_delays.max(axis=0))
+  kept = jax.tree.leaves(back.stale_params, is_leaf=lambda v: v is None)
+  assert any(v is None for v in kept) and any(v is not None for v in kept)
+  want = state._replace(stale_params=jax.tree.map(
+      lambda v, s: v if s is not None else None, state.stale_params, back.stale_params,
+      is_leaf=lambda v: v is None))
+  assert jax.tree.structure(back) == jax.tree.structure(want)
+  for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(back)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory):
   """The workdir of the run moved along ``LEGS``, one step each."""
@@ -49,6 +94,7 @@ def moved(tmp_path_factory):
   return workdir
 
 
+@slow
 @pytest.mark.parametrize("parallelism", ["model", "zero"])
 def test_a_checkpoint_converts_back_to_itself_bit_for_bit(moved, parallelism):
   _, portable, step = train.restore(config("data", len(LEGS)), moved)
@@ -63,6 +109,7 @@ def test_a_checkpoint_converts_back_to_itself_bit_for_bit(moved, parallelism):
                                   err_msg=jax.tree_util.keystr(path))
 
 
+@slow
 def test_a_run_moved_through_every_parallelism_logs_the_straight_runs_losses(moved, tmp_path):
   straight = str(tmp_path / "straight")
   train.train_and_evaluate(config("data", len(LEGS)), straight)

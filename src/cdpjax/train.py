@@ -73,6 +73,30 @@ def learning_rate_schedule(c: ml_collections.ConfigDict, steps_per_epoch: int,
   return optax.join_schedules([optax.linear_schedule(0.0, c.learning_rate, warmup), main], [warmup])
 
 
+class DecayMaskState(NamedTuple):
+  """Per parameter leaf, 1.0 where it decays (a matrix) and 0.0 elsewhere."""
+  mask: Any
+
+
+def decay_matrices(weight_decay: float) -> optax.GradientTransformation:
+  """AdamW's decoupled weight decay of matrices (kernels, embeddings) only.
+
+  ``optax.add_decayed_weights(weight_decay, mask)`` with the mask in the
+  state: optax computes a mask from the parameters at every update, and the
+  executed schedules' parameters are flat stage buffers, in which no leaf is a
+  matrix. Here ``init`` decides on the tree and keeps a scalar per leaf, which
+  the staged state holds as one row per stage (`executed.pipeline.Trees`;
+  one parameter size of optimizer state there). Equal to optax's, bit for bit.
+  """
+  def init(params):
+    return DecayMaskState(jax.tree.map(lambda x: jnp.asarray(x.ndim >= 2, x.dtype), params))
+
+  def update(updates, state, params):
+    return jax.tree.map(lambda g, m, x: g + weight_decay * m * x, updates, state.mask,
+                        params), state
+  return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(c: ml_collections.ConfigDict, lr: optax.Schedule):
   """SGD with momentum (coupled weight decay, as PyTorch's SGD), Adam or AdamW.
 
@@ -84,9 +108,9 @@ def make_optimizer(c: ml_collections.ConfigDict, lr: optax.Schedule):
     opt = optax.sgd(lr, momentum=c.momentum or None)
   elif c.optimizer == "adam":
     opt = optax.adam(lr)
-  elif c.optimizer == "adamw":
-    opt = optax.adamw(lr, weight_decay=c.weight_decay,
-                      mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params))
+  elif c.optimizer == "adamw":  # optax.adamw's chain, with the mask kept in the state.
+    opt = optax.chain(optax.scale_by_adam(), decay_matrices(c.weight_decay),
+                      optax.scale_by_learning_rate(lr))
   else:
     raise ValueError(f"Unknown optimizer {c.optimizer!r}: use 'sgd', 'adam' or 'adamw'.")
   if c.weight_decay and c.optimizer != "adamw":

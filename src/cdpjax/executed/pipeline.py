@@ -45,6 +45,8 @@ numbers equal ``engine.make_train_step`` step by step for every ``K``.
 
 The optimizer runs per stage on one flat vector, so it must act elementwise
 (``sgd``, ``adam``, weight decay): a global-norm clip would see one stage only.
+A decision per leaf is made on the tree and kept in the optimizer state
+(`Trees`; AdamW's decay of matrices, `train.decay_matrices`).
 """
 from __future__ import annotations
 
@@ -108,64 +110,80 @@ def variables(state, staged: StagedModel) -> dict:
                        jax.device_get(jax.tree.map(replicated, state.model_state)))
 
 
-def portable_fns(staged: StagedModel, tx: optax.GradientTransformation, plan, mesh: Mesh,
-                 shardings, rows=lambda x: x):
-  """``(to_portable, from_portable)``: a ``StagedState`` to and from the engine's state.
+class Trees:
+  """Between a ``StagedState``'s flat stage rows and the engine's ``CyclicState`` of flax trees.
 
-  The portable form (`executor.Executor`) is an ``engine.CyclicState`` of flax
-  trees, as the engine keeps it: a stale leaf of a stage that no worker reads
-  at that age is None; ``from_portable`` fills it with ``theta_t`` (never
-  read). Per-stage copies of a scalar optimizer leaf (a step count) are one
-  scalar there. Both run as one program on the devices; the portable arrays
-  are spread over the mesh (`executor.spread`). ``rows`` maps stage order to
-  the state's row order and back (ZeRO's owner order).
-
-  Args:
-    staged: the model cut into stages.
-    tx: the elementwise optimizer of the state.
-    plan: the rule's plan (its delay matrix says which stale leaves are read).
-    mesh: the executor's mesh.
-    shardings: ``shardings(state) -> `` the executor's shardings of a state.
-    rows: an involution on the leading axis.
+  ``rows`` maps stage order to the state's row order and back (an involution:
+  ZeRO keeps owner order). The optimizer state follows the parameter tree's
+  (``tx.init(params)``): each subtree shaped as the parameters becomes one
+  ``[J, P]`` row per stage (a per-leaf scalar, such as the AdamW decay mask
+  of `train.make_optimizer`, is broadcast over its leaf), each other leaf (a
+  step count) one copy per stage. Runs on host arrays or under ``jax.jit``.
   """
-  depth = np.max(plan.delays, axis=0, initial=0)  # Per stage: the oldest version read.
-  stage_of_unit = {u: j for j, units in enumerate(staged.units) for u in units}
-  num_stages = staged.num_stages
-  flat_opt = jax.eval_shape(jax.vmap(tx.init), jax.ShapeDtypeStruct(
-      (num_stages, staged.param_size), jnp.float32))
 
-  def trees(flat):
-    return staged.unpack(rows(flat))["params"]
+  def __init__(self, staged: StagedModel, tx: optax.GradientTransformation, rows=lambda x: x):
+    self.staged, self.rows = staged, rows
+    self.params_like = jax.eval_shape(self.params, jax.ShapeDtypeStruct(
+        (staged.num_stages, staged.param_size), jnp.float32))
+    self.opt_like = jax.eval_shape(tx.init, self.params_like)
+    self._params_def = jax.tree.structure(self.params_like)
 
-  def to_portable(state: StagedState) -> engine.CyclicState:
+  def _params_shaped(self, x) -> bool:
+    return jax.tree.structure(x) == self._params_def
+
+  def params(self, rows_JxP):
+    return self.staged.unpack(self.rows(rows_JxP))["params"]
+
+  def flat(self, params):
+    return self.rows(self.staged.pack_params(params))
+
+  def to_trees(self, state: StagedState, depth) -> engine.CyclicState:
+    """``state`` as the engine keeps it; stale leaves of stages read no older than ``depth[j]``
+    are None."""
+    stage_of_unit = {u: j for j, units in enumerate(self.staged.units) for u in units}
     stale = tuple({u: tree if depth[stage_of_unit[u]] >= age else jax.tree.map(lambda _: None, tree)
-                   for u, tree in trees(version).items()}
+                   for u, tree in self.params(version).items()}
                   for age, version in enumerate(state.stale_params, 1))
-    opt = jax.tree.map(lambda x: trees(x) if x.shape == state.params.shape else x[0],
-                       state.opt_state)
+    def opt_leaf(like, x):
+      if not self._params_shaped(like):
+        return x[0]
+      return jax.tree.map(lambda l, y: y.reshape(l.shape) if l.shape == y.shape
+                          else y.reshape(-1)[0], like, self.params(x))
+    opt = jax.tree.map(opt_leaf, self.opt_like, state.opt_state, is_leaf=self._params_shaped)
     model_state = None
     if state.model_state is not None:
-      model_state = staged.unpack(rows(state.params), rows(state.model_state))
+      model_state = self.staged.unpack(self.rows(state.params), self.rows(state.model_state))
       model_state.pop("params")
-    return engine.CyclicState(state.step, trees(state.params), stale, opt, model_state)
+    return engine.CyclicState(state.step, self.params(state.params), stale, opt, model_state)
 
-  def flat(tree):
-    return rows(staged.pack_params(tree))
-
-  def from_portable(p: engine.CyclicState) -> StagedState:
-    stale = tuple(flat(jax.tree.map(lambda s, x: x if s is None else s, version, p.params,
-                                    is_leaf=lambda s: s is None))
+  def from_trees(self, p: engine.CyclicState) -> StagedState:
+    """The ``StagedState`` of ``p``; a None stale leaf (never read) gets ``theta_t``'s."""
+    stale = tuple(self.flat(jax.tree.map(lambda s, x: x if s is None else s, version, p.params,
+                                         is_leaf=lambda s: s is None))
                   for version in p.stale_params)
-    subtrees = jax.tree.structure(flat_opt).flatten_up_to(p.opt_state)
-    opt = jax.tree.unflatten(jax.tree.structure(flat_opt), [
-        flat(sub) if like.shape == (num_stages, staged.param_size)
-        else jnp.broadcast_to(jnp.asarray(sub, like.dtype), like.shape)
-        for like, sub in zip(jax.tree.leaves(flat_opt), subtrees)])
+    def opt_leaf(like, sub):
+      if not self._params_shaped(like):
+        return jnp.broadcast_to(jnp.asarray(sub, like.dtype), (self.staged.num_stages, *like.shape))
+      return self.flat(jax.tree.map(lambda x, l: jnp.broadcast_to(x, l.shape), sub,
+                                    self.params_like))
+    opt = jax.tree.map(opt_leaf, self.opt_like, p.opt_state, is_leaf=self._params_shaped)
     model_state = None
-    if p.model_state is not None:
-      model_state = rows(staged.pack(p.params, p.model_state)[1])
-    return StagedState(jnp.asarray(p.step, jnp.int32), flat(p.params), stale, opt, model_state)
+    if p.model_state is not None and self.staged.state_size:
+      model_state = self.rows(self.staged.pack(p.params, p.model_state)[1])
+    return StagedState(jnp.asarray(p.step, jnp.int32), self.flat(p.params), stale, opt,
+                       model_state)
 
+
+def portable_fns(trees: Trees, plan, mesh: Mesh, shardings):
+  """``(to_portable, from_portable)`` of `executor.Executor` for a staged state.
+
+  The portable form is the engine's ``CyclicState`` (`Trees`), with a stale
+  leaf of a stage that no worker reads at that age None, as the engine keeps
+  it. Each direction is one program on the devices; the portable arrays are
+  spread over the mesh (`executor.spread`), the staged ones placed by
+  ``shardings(state)``.
+  """
+  depth = np.max(plan.delays, axis=0, initial=0)  # Per stage: the oldest version read.
   everywhere = NamedSharding(mesh, P())
 
   def jitted(fn, out_shardings):
@@ -180,8 +198,9 @@ def portable_fns(staged: StagedModel, tx: optax.GradientTransformation, plan, me
       return cache[key](state)
     return run
 
-  return (jitted(to_portable, lambda out: executor_lib.spread(out, mesh)),
-          jitted(from_portable, shardings))
+  return (jitted(lambda state: trees.to_trees(state, depth),
+                 lambda out: executor_lib.spread(out, mesh)),
+          jitted(trees.from_trees, shardings))
 
 
 def _stage_axis_size(mesh: Mesh) -> int:
@@ -215,10 +234,8 @@ def init_state(staged: StagedModel, params, tx: optax.GradientTransformation, *,
   if staged.num_stages != num_stages:
     raise ValueError(f"The model is cut into {staged.num_stages} stages, the mesh axis "
                      f"{STAGE_AXIS!r} has {num_stages} devices: use as many stages as devices.")
-  params_JxP, state_JxM = (jnp.asarray(a) for a in staged.pack(params, model_state))
-  stale = tuple(jnp.array(params_JxP) for _ in range(schedule.max_delay(rule)))
-  state = StagedState(jnp.zeros((), jnp.int32), params_JxP, stale, jax.vmap(tx.init)(params_JxP),
-                      state_JxM if staged.state_size else None)
+  state = Trees(staged, tx).from_trees(engine.init_state(params, tx, rule=rule,
+                                                         model_state=model_state))
   return jax.device_put(state, _state_sharding(mesh, state))
 
 
@@ -521,7 +538,7 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
     versions = ring.versions(versions_ring)
     return state._replace(params=versions[0], stale_params=versions[1:]), finish(raw)
 
-  to_portable, from_portable = portable_fns(staged, tx, plan, mesh,
+  to_portable, from_portable = portable_fns(Trees(staged, tx), plan, mesh,
                                             lambda state: _state_sharding(mesh, state))
   return executor_lib.Executor(
       init=lambda params, model_state=None: init_state(staged, params, tx, rule=rule, mesh=mesh,

@@ -66,11 +66,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cdpjax import compiled
+from cdpjax import compiled, engine
 from cdpjax import executor as executor_lib
-from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
-from cdpjax.executed.pipeline import StagedState, portable_fns, replicated
+from cdpjax.executed.pipeline import StagedState, Trees, portable_fns, replicated
 from cdpjax.executed.staged import (StagedModel, after as staged_after, block as staged_block,
                                     set_block, steps_batch, vary, with_steps_axis)
 
@@ -134,13 +133,8 @@ def init_state(staged: StagedModel, params, tx: optax.GradientTransformation, *,
   """
   num_workers = _num_workers(mesh)
   _check_staged(staged, num_workers)
-  params_JxP, state_JxM = staged.pack(params, model_state)
-  rows = jnp.asarray(_owner_rows(params_JxP))
-  state = StagedState(
-      step=jnp.zeros((), jnp.int32), params=rows,
-      stale_params=tuple(jnp.array(rows) for _ in range(schedule.max_delay(rule))),
-      opt_state=jax.vmap(tx.init)(rows),
-      model_state=jnp.asarray(_owner_rows(state_JxM)) if staged.state_size else None)
+  state = Trees(staged, tx, _owner_rows).from_trees(
+      engine.init_state(params, tx, rule=rule, model_state=model_state))
   return jax.device_put(state, _shardings(state, mesh, "cyclic"))
 
 
@@ -672,7 +666,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
     return state, metrics(rows)
 
   to_portable, from_portable = portable_fns(
-      staged, tx, plan, mesh, lambda state: _shardings(state, mesh, plan.timetable), _owner_rows)
+      Trees(staged, tx, _owner_rows), plan, mesh,
+      lambda state: _shardings(state, mesh, plan.timetable))
   return executor_lib.Executor(
       init=lambda params, model_state=None: init_state(staged, params, tx, rule=rule, mesh=mesh,
                                                        model_state=model_state),
