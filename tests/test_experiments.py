@@ -70,34 +70,90 @@ def test_accuracy_lm(tmp_path):
   assert 0 < result["table"]["cdp-v2"]["mean"] < 9 and saved["bigram_bits_per_byte"] > 0
 
 
+# A stand-in for bench_overlap.py: rows in its schema, the tied backward's all-reduces apart.
 FAKE_BENCH = '''
-import argparse, json, os
+import argparse, json, os, sys
 p = argparse.ArgumentParser()
 p.add_argument("--results_dir")
 p.add_argument("--quick", action="store_true")
 a = p.parse_args()
 os.makedirs(a.results_dir, exist_ok=True)
-rows = [{"schedule": "cyclic", "memory": {"params": 10}, "ratio": 0.5}]
-json.dump({"runs": rows, "quick": a.quick}, open(os.path.join(a.results_dir, "x.json"), "w"))
-print("schedule ratio\\ncyclic 0.5")
+rows = [{"compiler": "cpu", "backward": "tied", "rule": "dp", "combiner": "on",
+         "compiled_all_reduces": 1, "compute_after": [0]},
+        {"compiler": "tpu v5e:2x4", "backward": "tied", "rule": "dp", "combiner": "on",
+         "compiled_all_reduces": 4, "compute_after": [7, 5, 3, 0]}]
+name = os.path.basename(sys.argv[0])[:-3]
+json.dump({"rows": rows}, open(os.path.join(a.results_dir, name + ".json"), "w"))
+print("printed table")
 '''
+FAILING_BENCH = "import sys; sys.exit('this benchmark failed')"
+
+
+def _section(text: str, title: str) -> str:
+  return text.split(f"## {title}\n")[1].split("\n## ")[0]
 
 
 def test_report_runs_benches_and_names_missing_ones(tmp_path):
   report = _script("report")
   benches = tmp_path / "benches"
   benches.mkdir()
-  (benches / "bench_engine.py").write_text(FAKE_BENCH)
-  (benches / "bench_zero.py").write_text(FAKE_BENCH)
+  (benches / "bench_overlap.py").write_text(FAKE_BENCH)
+  (benches / "bench_zero.py").write_text(FAILING_BENCH)
   output = tmp_path / "BENCHMARKS.md"
   text = report.main(["--quick", "--bench_dir", str(benches), "--output", str(output),
                       "--results_dir", str(tmp_path / "results")])
   assert output.read_text() == text
-  assert "| jax |" in text and "| cores |" in text
-  engine_part = text.split("## bench_engine")[1].split("## ")[0]
-  assert "cyclic 0.5" in engine_part and "| cyclic | 10 | 0.5 |" in engine_part
-  assert "Not run: `bench_pipeline.py` does not exist yet." in text
-  assert "## bench_zero" in text and "Failed" not in text
+  overlap = _section(text, "Gradient all-reduces against the backward (compiled)")
+  assert "| measured | goal | figure | met |" in overlap
+  assert ("| tpu v5e:2x4, tied backward, dp, combiner on | the J all-reduces spread over the "
+          "backward | 4 all-reduce(s), compute after: [7, 5, 3, 0] | yes |") in overlap
+  assert "produced by `python experiments/bench_overlap.py --quick`" in overlap
+  saved = json.loads((tmp_path / "results/bench_overlap/bench_overlap.json").read_text())
+  assert saved["source"].startswith("produced by") and len(saved["rows"]) == 2
+  assert ("`results/bench_engine/bench_engine.json` is missing. "
+          "Run `python experiments/bench_engine.py`.") in text
+  assert "**Failed in the last run**" in text and "`bench_zero`" in text
+  assert str(tmp_path) not in text
+
+
+def test_report_reruns_only_the_named_benches(tmp_path):
+  report = _script("report")
+  benches = tmp_path / "benches"
+  benches.mkdir()
+  (benches / "bench_overlap.py").write_text(FAKE_BENCH)
+  (benches / "bench_zero.py").write_text(FAILING_BENCH)
+  kept = tmp_path / "results/bench_pipeline/bench_pipeline.json"
+  kept.parent.mkdir(parents=True)
+  kept.write_text(json.dumps({"source": "kept from before", "rows": []}))
+  text = report.main(["--quick", "--bench_dir", str(benches), "--output",
+                      str(tmp_path / "BENCHMARKS.md"), "--results_dir", str(tmp_path / "results"),
+                      "--benches", "bench_overlap"])
+  assert "Failed" not in text  # bench_zero was not run.
+  assert "compute after: [7, 5, 3, 0]" in text
+  # A JSON report.py cannot read is named in its section, not a crash.
+  pipeline = _section(text, "Cyclic pipeline against GPipe (CPU)")
+  assert "Source: kept from before." in pipeline and "not readable by report.py" in pipeline
+
+
+def test_report_render_reads_only_results_and_matches_benchmarks_md(tmp_path):
+  report = _script("report")
+  benches = tmp_path / "benches"
+  benches.mkdir()
+  (benches / "bench_overlap.py").write_text(FAILING_BENCH)  # Would fail if it ran.
+  text = report.main(["--render", "--bench_dir", str(benches),
+                      "--output", str(tmp_path / "BENCHMARKS.md")])
+  assert "Failed" not in text
+  # BENCHMARKS.md is this rendering of the committed results/, nothing else.
+  assert text == (EXPERIMENTS.parent / "BENCHMARKS.md").read_text()
+  for section in report.SECTIONS:
+    body = _section(text, section.title)
+    assert "| measured | goal | figure | met |" in body, section.name
+    assert f"Regenerate: `{section.command}`" in body and "Source: " in body
+  assert "/work/" not in text and "/tmp/" not in text and "/home/" not in text
+  tpu = _section(text, "Pod plan on the TPU compiler (issue 34's goals)")
+  assert "CDP+ZeRO peak / ZeRO-3's | <= 1.25 |" in tpu
+  assert "ZeRO-3's collectives | all-gather and reduce-scatter |" in tpu
+  assert "compiled peak / cost model, 7 strategies | within 10% |" in tpu
 
 
 def test_bench_engine_quick(tmp_path):
@@ -167,20 +223,3 @@ def test_bench_overlap_quick(tmp_path):
     assert len(row["compute_after"]) == row["compiled_all_reduces"]
     assert all(0 <= n <= row["compute_instructions"] for n in row["compute_after"])
   assert {r["combiner"] for r in result["rows"]} == {"on", "off"}
-
-
-def test_report_reruns_only_the_named_benches(tmp_path):
-  report = _script("report")
-  benches = tmp_path / "benches"
-  benches.mkdir()
-  (benches / "bench_engine.py").write_text(FAKE_BENCH)
-  output = tmp_path / "BENCHMARKS.md"
-  output.write_text("# Benchmarks\n\n## bench_zero\n\nkept zero table\n\n## bench_engine\n\nold\n"
-                    "\n## Delays and stability\n\nhand-written study\n")
-  text = report.main(["--quick", "--bench_dir", str(benches), "--output", str(output),
-                      "--results_dir", str(tmp_path / "results"), "--benches", "bench_engine"])
-  # Whole lines: the old section's text ("old") could be part of a temporary path.
-  lines = text.splitlines()
-  assert "kept zero table" in lines and "old" not in lines and "cyclic 0.5" in text
-  assert text.rstrip().endswith("hand-written study")
-  assert "Not run: `bench_pipeline.py` does not exist yet." in text
