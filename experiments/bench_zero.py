@@ -5,7 +5,7 @@ For N = J in {2, 4, 8} workers on emulated CPU devices, the digits ResidualMLP
 
 - ``cyclic``: ``executed.zero.make_train_step(timetable="cyclic")``, rule cdp-v2;
 - ``zero3``: ``executed.zero.make_train_step(timetable="zero3")``, rule dp;
-- ``engine``: the replicated engine (``executor.build("data", ...)``), rule cdp-v2.
+- ``engine``: the replicated engine (``executors.build("data", ...)``), rule cdp-v2.
 
 ``cyclic`` and ``zero3`` run ``--scan_steps`` K steps per compiled call (the
 ring fills and drains once per call), the engine one. Memory and collectives
@@ -62,7 +62,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from cdpjax import compiled, executor, stages  # noqa: E402
+from cdpjax import compiled, executors, stages  # noqa: E402
 from cdpjax.executed import plan, zero  # noqa: E402
 from cdpjax.executed import staged as staged_lib  # noqa: E402
 from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
@@ -128,7 +128,7 @@ def build(num_workers, args):
   programs, hlo_of = {}, {}
   for name, rule in (("cyclic", "cdp-v2"), ("zero3", "dp"), ("engine", "cdp-v2")):
     if name == "engine":
-      ex = executor.build("data", model, tx, params=params, model_state=None,
+      ex = executors.build("data", model, tx, params=params, model_state=None,
                           stage_ids=stage_ids, sample_input=batch["image"][:1], rule=rule,
                           mesh=mesh, loss_fn=staged_lib.cross_entropy)
       num_steps, call_batch = 1, batch

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 
-from cdpjax import executor, models, schedule, stages
+from cdpjax import executors, models, schedule, stages
 from cdpjax.executed import staged as staged_lib
 
 NUM_STEPS = 4
@@ -72,7 +72,7 @@ def engine_run(name, rule, num_workers, replicas=1):
   model, params, model_state, stage_ids = model_of(name, num_workers)
   if replicas > 1:
     rule = np.tile(schedule.resolve(rule, num_workers, num_workers), (replicas, 1))
-  ex = executor.engine_executor(model, make_tx(name), stage_ids=stage_ids, rule=rule,
+  ex = executors.engine_executor(model, make_tx(name), stage_ids=stage_ids, rule=rule,
                                 mesh=jax.make_mesh((replicas * num_workers,), ("data",)),
                                 loss_fn=staged_lib.cross_entropy,
                                 with_model_state=model_state is not None)

@@ -59,7 +59,7 @@ def run(workdir: str) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   import executed_reference as ref  # pylint: disable=g-import-not-at-top
-  from cdpjax import executor  # pylint: disable=g-import-not-at-top
+  from cdpjax import executors  # pylint: disable=g-import-not-at-top
   from cdpjax.executed import pipeline, staged, zero  # pylint: disable=g-import-not-at-top
 
   name, num_stages, replicas = "residual_mlp", 2, 4
@@ -76,7 +76,7 @@ def run(workdir: str) -> dict:
       mesh=jax.make_mesh((replicas, num_stages), ("replica", "data"), devices=jax.devices()))
   result.update(_calls(ex, params, data, "zero"))
 
-  ex = executor.engine_executor(
+  ex = executors.engine_executor(
       model, ref.make_tx(name), stage_ids=stage_ids, rule="cdp-v2", loss_fn=staged.cross_entropy,
       mesh=jax.make_mesh((4, 2), ("data", "fsdp"), devices=jax.devices()), with_model_state=False)
   state, engine_losses = ex.init(params), []

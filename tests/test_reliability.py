@@ -283,8 +283,8 @@ def test_cifar10_preparation_runs_the_builder_on_a_local_extracted_archive(tmp_p
 
 def test_another_model_on_a_config_drops_the_options_it_does_not_take():
   c = _smoke(model="resnet18")  # `--config.model=resnet18` on the digits config.
-  assert train._model_kwargs(c) == {"width": 32}  # Not the residual MLP's hidden, num_blocks.
-  assert train._model_kwargs(_smoke()) == {"width": 32, "hidden": 64, "num_blocks": 4}
+  assert train.model_kwargs(c) == {"width": 32}  # Not the residual MLP's hidden, num_blocks.
+  assert train.model_kwargs(_smoke()) == {"width": 32, "hidden": 64, "num_blocks": 4}
 
 
 def test_a_second_ctrl_c_exits_at_once():

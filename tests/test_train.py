@@ -14,7 +14,7 @@ import tensorflow_datasets as tfds
 
 from cdpjax import config as config_lib
 from cdpjax import distributed
-from cdpjax import executor
+from cdpjax import executor, executors
 from cdpjax import schedule
 from cdpjax import train
 
@@ -112,16 +112,16 @@ def test_the_engine_runs_a_convolutional_model_one_step_per_call_on_the_cpu(
 def test_idle_fraction_counted_on_the_plan_is_the_closed_form(num_stages, num_steps):
   """Cyclic: J K busy slots of J (K + 1) - 1 per device; GPipe flushes: J of 2J - 1."""
   j, k = num_stages, num_steps
-  assert executor.resolve("cdp-v2", "model", j, j).idle_fraction(k) == pytest.approx(
+  assert executors.idle_fraction(executor.resolve("cdp-v2", "model", j, j), k) == pytest.approx(
       1 - j * k / (j * (k + 1) - 1), rel=1e-12)
   # CDP-ZeRO: 2J K busy slots of 2J (K + 1) - 1 (stage 0's owner updates one slot later).
-  assert executor.resolve("cdp-v2", "zero", j, j).idle_fraction(k) == pytest.approx(
+  assert executors.idle_fraction(executor.resolve("cdp-v2", "zero", j, j), k) == pytest.approx(
       1 - 2 * j * k / (2 * j * (k + 1) - 1), rel=1e-12)
-  assert executor.resolve("dp", "model", j, j).idle_fraction(k) == pytest.approx(
+  assert executors.idle_fraction(executor.resolve("dp", "model", j, j), k) == pytest.approx(
       (j - 1) / (2 * j - 1), rel=1e-12)
   for parallelism in ("data", "zero"):
-    assert executor.resolve("dp", parallelism, j, j).idle_fraction(k) == 0.0
-  assert executor.resolve("cdp-v2", "data", j, j).idle_fraction(k) == 0.0
+    assert executors.idle_fraction(executor.resolve("dp", parallelism, j, j), k) == 0.0
+  assert executors.idle_fraction(executor.resolve("cdp-v2", "data", j, j), k) == 0.0
 
 
 def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):

@@ -112,7 +112,7 @@ def _model_and_batch(c):
              "label": jax.ShapeDtypeStruct((rows,), jnp.int32)}
   else:
     raise ValueError(f"Unknown dataset {c.dataset!r}: use one of {', '.join(data.DATASETS)}.")
-  model = models.create_model(c.model, num_classes, **train._model_kwargs(c))  # pylint: disable=protected-access
+  model = models.create_model(c.model, num_classes, **train.model_kwargs(c))
   return model, sample, batch
 
 
@@ -125,7 +125,7 @@ def build(c, devices):
   import jax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from cdpjax import config as config_lib, executor as executor_lib, tasks, train  # pylint: disable=g-import-not-at-top
+  from cdpjax import config as config_lib, executor as executor_lib, executors, tasks, train  # pylint: disable=g-import-not-at-top
   config_lib.validate(c)
   if c.backend != "shard_map":
     raise ValueError(f"backend={c.backend!r} cannot be compiled ahead of time here: use "
@@ -142,7 +142,7 @@ def build(c, devices):
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
   # The learning-rate schedule changes constants of the program, not its buffers or collectives.
   tx = train.make_optimizer(c, optax.constant_schedule(c.learning_rate))
-  executor = executor_lib.build(
+  executor = executors.build(
       c.parallelism, model, tx, params=params, model_state=model_state,
       stage_ids=train.model_stage_ids(c, model, params, sample), sample_input=sample,
       rule=config_lib.delay_rule(c), mesh=mesh, loss_fn=tasks.cross_entropy, backend=c.backend)

@@ -434,8 +434,6 @@ def _resolve_rule(rule, stage_ids, num_workers: int, rotate: bool) -> _Rule:
   delays = None if dynamic else schedule.resolve(rule, num_workers, num_stages)
   stage_of_leaf = _check_stage_ids(stage_ids, num_stages)
   num_stale = schedule.max_delay(rule)
-  if not dynamic and delays.max(initial=0) > num_stale:
-    raise ValueError(f"Delay matrix needs {delays.max()} stale versions; the state keeps {num_stale}.")
   depths = tuple(stale_depths(delays, stage_of_leaf, num_stale))
   return _Rule(dynamic, delays, num_workers, num_stages, num_stale, stage_of_leaf,
                _Slots(depths, rotate))

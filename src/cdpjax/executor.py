@@ -7,7 +7,7 @@ An ``Executor`` is a NamedTuple of pure functions, in optax's style:
   ``grad_norm``, ``grad_norm_per_stage`` ``[J]`` and ``param_norm`` (of
   ``theta_{t+1}``); with ``norms=False`` an executor may skip the norms (NaN),
   as the engine does: a caller asks for them on the steps it logs;
-- built with ``scan_steps=K`` (`build`), one ``step`` call runs ``K`` steps:
+- built with ``scan_steps=K`` (`cdpjax.executors.build`), one ``step`` call runs ``K`` steps:
   batch leaves are ``[K, N*b, ...]``, every metric gains a leading ``[K]``
   axis and ``norms`` is a bool or ``K`` bools, one per step (a logged step
   gets real norms, the others may skip them);
@@ -27,17 +27,18 @@ An ``Executor`` is a NamedTuple of pure functions, in optax's style:
 matrix, the number of stale versions the state keeps and the executed
 timetable. Every state keeps ``step``, ``params``, ``stale_params`` and
 ``opt_state``; a state whose stale versions do not fit the plan is refused by
-`check_versions`. ``plan.idle_fraction(K)`` is the share of device-slots
-the executed timetable leaves idle in a ``K``-step call.
+`check_versions`.
+
+This module is the contract, below its implementations (`cdpjax.engine`,
+`cdpjax.executed`); the table that builds one per parallelism is
+`cdpjax.executors`.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from cdpjax import schedule
 
@@ -86,19 +87,6 @@ class RulePlan(NamedTuple):
       n, j = self.delays.shape
     return f"rule {name} (N={n}, J={j}) runs as {DESCRIPTIONS[self.parallelism, self.timetable]}"
 
-  def idle_fraction(self, num_steps: int) -> float:
-    """Idle device-slots / all device-slots of a call of ``num_steps`` steps, from the plan.
-
-    0 in lockstep (the engine, ZeRO-3: every device works in every slot).
-    """
-    if self.timetable in ("lockstep", "zero3"):
-      return 0.0
-    from cdpjax.executed import plan as plan_lib  # pylint: disable=g-import-not-at-top
-    if self.parallelism == "zero":
-      return float(np.mean(plan_lib.zero_plan(self.delays, num_steps).kind == plan_lib.IDLE))
-    num_micro, num_stages = self.delays.shape
-    return plan_lib.idle_fraction(self.timetable, num_stages, num_steps, num_micro)
-
 
 def resolve(rule, parallelism: str, num_workers: int, num_stages: int) -> RulePlan:
   """Resolves ``rule`` for ``parallelism``: delays, stale versions and timetable.
@@ -115,9 +103,6 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int) -> RulePl
     return RulePlan(rule, parallelism, None, rule.max_delay, "lockstep")
   delays = schedule.resolve(rule, num_workers, num_stages)
   num_stale = schedule.max_delay(rule)
-  if delays.max(initial=0) > num_stale:
-    raise ValueError(f"The delay matrix needs {delays.max()} stale versions, the rule keeps "
-                     f"{num_stale}.")
   flushed, cyclic = TIMETABLES[parallelism]
   timetable = flushed if delays.max(initial=0) == 0 else cyclic
   if parallelism != "data" and num_workers != num_stages:
@@ -178,107 +163,3 @@ class Executor(NamedTuple):
   plan: RulePlan
   to_portable: Callable[[Any], Any]
   from_portable: Callable[[Any], Any]
-
-
-def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule, mesh,
-                    loss_fn: Callable, with_model_state: bool, backend: str = "shard_map",
-                    scan_steps: int | None = None, **_) -> Executor:
-  """The update-rule engine (``cdpjax.engine``) behind the executor contract.
-
-  ``loss_fn(outputs, labels)`` is applied to ``model.apply(variables, image,
-  train=True)``; with model state, new states are averaged over workers.
-  """
-  from cdpjax import engine  # pylint: disable=g-import-not-at-top
-
-  if with_model_state:
-    def worker_loss(p, state, batch):
-      outputs, new_state = model.apply({"params": p, **state}, batch["image"], train=True,
-                                       mutable=list(state))
-      return loss_fn(outputs, batch["label"]), new_state
-  else:
-    def worker_loss(p, batch):
-      return loss_fn(model.apply({"params": p}, batch["image"], train=True), batch["label"])
-
-  num_workers = int(mesh.shape["data"]) if "data" in mesh.axis_names else 0
-  plan = resolve(rule, "data", num_workers, engine.num_stages_of(stage_ids))
-  train_step = engine.make_train_step(worker_loss, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
-                                      backend=backend, with_model_state=with_model_state,
-                                      scan_steps=scan_steps)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-  def init(params, model_state=None):
-    # A copy: the step donates the state, which must not delete the caller's arrays.
-    model_state = jax.tree.map(jnp.array, model_state)
-    return jax.device_put(train_step.init(params, model_state), replicated)
-
-  def step(state, batch, norms=True):
-    check_versions(state, plan)
-    return train_step(state, batch, norms=norms)
-
-  def lower(state, batch):
-    check_versions(state, plan)
-    return train_step.lower(state, batch)
-
-  return Executor(init=init, step=step,
-                  variables=lambda s: {"params": s.params, **(s.model_state or {})},
-                  lower=lower, plan=plan, to_portable=lambda s: s,
-                  from_portable=lambda s: jax.device_put(s, replicated))
-
-
-def _staged(model, params, model_state, stage_ids, sample_input, loss_fn, pad_to=1):
-  from cdpjax.executed import staged  # pylint: disable=g-import-not-at-top
-  return staged.stage_model(model, params, stage_ids, sample_input, model_state=model_state,
-                            loss_fn=loss_fn, pad_to=pad_to)
-
-
-def pipeline_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
-                      loss_fn: Callable, scan_steps: int | None = None, **_) -> Executor:
-  """The executed pipeline (``cdpjax.executed.pipeline``) of ``model`` cut at ``stage_ids``."""
-  from cdpjax.executed import pipeline  # pylint: disable=g-import-not-at-top
-  staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn)
-  return pipeline.make_train_step(staged, tx, rule=rule, mesh=mesh, scan_steps=scan_steps)
-
-
-def zero_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
-                  loss_fn: Callable, scan_steps: int | None = None, **_) -> Executor:
-  """Executed CDP-ZeRO or ZeRO-3 (``cdpjax.executed.zero``) of ``model`` cut at ``stage_ids``."""
-  from cdpjax.executed import zero  # pylint: disable=g-import-not-at-top
-  staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn,
-                   pad_to=int(mesh.shape["data"]))
-  return zero.make_train_step(staged, tx, rule=rule, mesh=mesh,
-                              scan_steps=scan_steps)
-
-
-EXECUTORS = {"data": engine_executor, "model": pipeline_executor, "zero": zero_executor}
-"""``parallelism -> factory``; every factory takes the arguments of `build`."""
-
-
-def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, model_state,
-          stage_ids, sample_input, rule, mesh, loss_fn: Callable,
-          backend: str = "shard_map", scan_steps: int | None = None) -> Executor:
-  """The executor of ``parallelism`` for a flax ``model`` cut into stages by ``stage_ids``.
-
-  Args:
-    parallelism: ``data`` (the engine), ``model`` (the executed pipeline) or
-      ``zero`` (executed CDP-ZeRO).
-    model: a flax module called as ``model.apply(variables, x, train=...)``.
-    tx: the optimizer (elementwise for ``model`` and ``zero``).
-    params: ``variables["params"]``, to lay out the stages.
-    model_state: the other variable collections, or None.
-    stage_ids: an int stage per parameter leaf (`cdpjax.stages`).
-    sample_input: an input batch, to trace the model's execution order.
-    rule: a name of ``schedule.RULES`` or a delay matrix.
-    mesh: the mesh of ``parallelism``: axis ``data``, or ``stage`` for ``model``;
-      ``(replica, stage)`` or ``(replica, data)`` for replicas of ``model`` or
-      ``zero``; ``(data, fsdp)`` for an engine worker of several devices.
-    loss_fn: ``loss_fn(outputs, labels)`` of the model's outputs.
-    backend: the engine's backend (``shard_map`` or ``pmap``).
-    scan_steps: ``K``: one ``step`` call runs ``K`` steps (see the module
-      docstring); None: one step, batch and metrics without the ``[K]`` axis.
-  """
-  if parallelism not in EXECUTORS:
-    raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
-  return EXECUTORS[parallelism](
-      model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
-      sample_input=sample_input, rule=rule, mesh=mesh, loss_fn=loss_fn, backend=backend,
-      with_model_state=model_state is not None, scan_steps=scan_steps)

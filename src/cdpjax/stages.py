@@ -110,7 +110,13 @@ def execution_order(model: nn.Module, *args, rngs=None, **kwargs) -> list[str]:
     The top-level keys of ``variables["params"]``, each exactly once, ordered by
     the first call of the submodule that owns them.
   """
-  return list(_trace(model, args, kwargs, _default_rngs(rngs))[1])
+  return list(unit_calls(model, *args, rngs=rngs, **kwargs))
+
+
+def unit_calls(model: nn.Module, *args, rngs=None, **kwargs) -> dict[str, int]:
+  """``{unit: how many times the forward calls it}``, in `execution_order` (a unit called more
+  than once shares its weights)."""
+  return {name: len(c) for name, c in _trace(model, args, kwargs, _default_rngs(rngs))[1].items()}
 
 
 def _unit_flops(variables, name: str, unit_calls: Sequence[_Call], rngs) -> float:

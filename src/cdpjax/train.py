@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import config as config_lib
 from cdpjax import engine, models, schedule, stages, tasks
-from cdpjax import executor as executor_lib
+from cdpjax import executors
 
 
 class Runner(NamedTuple):
@@ -166,7 +166,7 @@ def steps_per_call(c, platform: str | None = None) -> tuple[int, str]:
 
 
 def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
-  """The executor of ``c.parallelism`` (one table, `executor.EXECUTORS`) for this run.
+  """The executor of ``c.parallelism`` (one table, `executors.EXECUTORS`) for this run.
 
   One call runs ``K = steps_per_call(c)`` steps; a call of another length (the
   run's tail, or the first call of a resume from another ``K``) compiles its
@@ -178,7 +178,7 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
   stage_ids = model_stage_ids(c, model, params, sample)
 
   def build(k):  # K = 1 is the step without scan (the engine then rotates its versions).
-    return executor_lib.build(
+    return executors.build(
         c.parallelism, model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
         sample_input=sample,
         rule=config_lib.delay_rule(c),  # A DelayRule gives the engine each step's delays as data.
@@ -186,25 +186,25 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
         scan_steps=k if k > 1 else None)
 
   num, why = steps_per_call(c, jax.default_backend())
-  executors = {num: build(num)}
-  plan = executors[num].plan
-  idle = plan.idle_fraction(num)
+  by_k = {num: build(num)}
+  plan = by_k[num].plan
+  idle = executors.idle_fraction(plan, num)
   if jax.process_index() == 0:
     print(f"cdpjax: {plan.describe()}{_mesh_words(c)}; steps per compiled call: {num}"
           f"{f' ({why})' if why else ''}, idle fraction {idle:.3f} "
-          f"({plan.idle_fraction(1):.3f} at one step per call)", flush=True)
+          f"({executors.idle_fraction(plan, 1):.3f} at one step per call)", flush=True)
 
   def step(state, batches, norms):
     k = len(batches)
-    if k not in executors:
-      executors[k] = build(k)
+    if k not in by_k:
+      by_k[k] = build(k)
     if k == 1:
-      state, metrics = executors[1].step(state, to_global(batches[0], mesh), norms=norms[0])
+      state, metrics = by_k[1].step(state, to_global(batches[0], mesh), norms=norms[0])
       return state, jax.tree.map(lambda m: m[None], metrics)
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
-    return executors[k].step(state, to_global(stacked, mesh, stacked=True), norms=np.array(norms))
+    return by_k[k].step(state, to_global(stacked, mesh, stacked=True), norms=np.array(norms))
 
-  ex = executors[num]
+  ex = by_k[num]
   return Runner(init=lambda: ex.init(params, model_state), step=step, variables=ex.variables,
                 to_portable=ex.to_portable, from_portable=ex.from_portable,
                 steps_per_call=num, idle_fraction=idle)
@@ -376,8 +376,7 @@ class Checkpointer:
     self.saved_step = None  # The newest step saved by this run (maybe still being written).
 
   def save(self, step: int, state, data_position: int) -> None:
-    meta = {"config": self.config, "step": step, "data_position": data_position,
-            "seed": self.config["seed"]}
+    meta = {"config": self.config, "step": step, "data_position": data_position}
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     self.saved_step = step
@@ -640,10 +639,8 @@ class _Interrupts:
     JAX's sync point is the largest number the processes reported, plus one:
     so the numbers are consecutive (calls, not steps, which advance by ``K``).
     """
-    if jax.process_count() > 1:
-      if multihost_utils.reached_preemption_sync_point(call):
-        self.requested = "SIGTERM"
-      return self.requested is not None
+    if jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(call):
+      self.requested = "SIGTERM"
     return self.requested is not None
 
 
@@ -711,7 +708,7 @@ def _scalars(metrics: dict) -> dict:
   return out
 
 
-def _model_kwargs(c) -> dict:
+def model_kwargs(c) -> dict:
   """``config.model_kwargs`` for ``config.model``, without the keys it does not take.
 
   A config's ``model_kwargs`` are written for its own model, and an override
@@ -745,7 +742,7 @@ class _Run(NamedTuple):
 
 
 def _build(c) -> _Run:
-  task = tasks.build(c, model_kwargs=_model_kwargs(c))
+  task = tasks.build(c, model_kwargs=model_kwargs(c))
   dataset, model, sample = task.dataset, task.model, task.sample_input
   global_batch = config_lib.global_batch_size(c)
   steps_per_epoch = max(1, dataset.num_train // global_batch)

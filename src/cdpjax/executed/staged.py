@@ -346,9 +346,8 @@ def stage_model(model: nn.Module, params, stage_ids, sample_input, *, model_stat
                        "cut between top-level units. Use cdpjax.stages.partition.")
     unit_stage[unit] = ids.pop()
   num_stages = 1 + max(unit_stage.values())
-  calls = stages_lib._trace(  # pylint: disable=protected-access
-      model, (sample_input,), {"train": True}, stages_lib._default_rngs(None))[1]
-  shared = [u for u, unit_calls in calls.items() if len(unit_calls) > 1]
+  calls = stages_lib.unit_calls(model, sample_input, train=True)
+  shared = [u for u, count in calls.items() if count > 1]
   if shared:
     raise ValueError(
         f"Units {shared} are called more than once (shared weights); the executed timetables "

@@ -37,12 +37,6 @@ def create_model(name: str, num_classes: int, **kwargs) -> nn.Module:
   return _MODELS[name](num_classes=num_classes, **kwargs)
 
 
-def has_batch_stats(name: str) -> bool:
-  """Whether the model keeps BatchNorm statistics in ``batch_stats``."""
-  _check_name(name)
-  return name not in ("residual_mlp", "transformer")
-
-
 def is_convolutional(name: str) -> bool:
   """Whether the model is built of convolutions (the ResNets)."""
   _check_name(name)
