@@ -22,6 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cdpjax import compiled, schedule
+from cdpjax import executor as executor_lib
 
 BACKENDS = ("shard_map", "pmap")
 
@@ -55,11 +56,13 @@ def init_state(params, tx: optax.GradientTransformation, *, rule,
   Args:
     params: ``theta_0``.
     tx: the optimizer.
-    rule: a rule name of ``schedule.RULES`` or an explicit delay matrix; it
-      fixes how many stale versions the state carries.
+    rule: a rule name of ``schedule.RULES``, an explicit delay matrix or
+      their `executor.RulePlan`; it fixes how many stale versions the state
+      carries.
     model_state: optional non-trained state (e.g. ``{"batch_stats": ...}``).
   """
-  num_stale = schedule.max_delay(rule)
+  num_stale = (rule.num_stale if isinstance(rule, executor_lib.RulePlan)
+               else schedule.max_delay(rule))
   # Real copies: the step donates the state, which must neither delete the
   # caller's arrays nor hold one buffer twice.
   params = jax.tree.map(jnp.array, params)
@@ -409,34 +412,45 @@ class TrainStep:
 
 
 class _Rule(NamedTuple):
-  """A rule resolved for one mesh and ``stage_ids``: what the step is built from."""
-  dynamic: bool
-  delays: np.ndarray | None  # (N, J); None when the delays are data.
+  """The run's plan of the rule (`executor.RulePlan`) and where its versions live per leaf."""
+  plan: executor_lib.RulePlan
   num_workers: int
   num_stages: int
-  num_stale: int
   stage_of_leaf: list[int]
   slots: _Slots
 
+  @property
+  def dynamic(self) -> bool:
+    """Whether the delays are data (a ``schedule.DelayRule``): a new matrix every step."""
+    return self.plan.delays is None
+
+  @property
+  def delays(self) -> np.ndarray | None:
+    """``(N, J)``; None when the delays are data."""
+    return self.plan.delays
+
+  @property
+  def num_stale(self) -> int:
+    return self.plan.num_stale
+
 
 def _resolve_rule(rule, stage_ids, num_workers: int, rotate: bool) -> _Rule:
-  dynamic = isinstance(rule, schedule.DelayRule)
-  if dynamic:
-    if rule.num_workers != num_workers:
+  """``rule`` (or its plan) with the leaf layout of ``stage_ids``."""
+  given = rule.rule if isinstance(rule, executor_lib.RulePlan) else rule
+  if isinstance(given, schedule.DelayRule):
+    if given.num_workers != num_workers:
       raise ValueError(
-          f"The delay rule is for {rule.num_workers} workers but the mesh has {num_workers}: "
+          f"The delay rule is for {given.num_workers} workers but the mesh has {num_workers}: "
           f"build the rule with num_workers={num_workers}.")
-    num_stages = rule.num_stages
-  elif isinstance(rule, str):
+    num_stages = given.num_stages
+  elif isinstance(given, str):
     num_stages = num_stages_of(stage_ids) if jax.tree.leaves(stage_ids) else 1
   else:
-    num_stages = int(np.shape(rule)[1]) if np.ndim(rule) == 2 else 0
-  delays = None if dynamic else schedule.resolve(rule, num_workers, num_stages)
+    num_stages = int(np.shape(given)[1]) if np.ndim(given) == 2 else 0
+  plan = executor_lib.resolve(rule, "data", num_workers, num_stages)
   stage_of_leaf = _check_stage_ids(stage_ids, num_stages)
-  num_stale = schedule.max_delay(rule)
-  depths = tuple(stale_depths(delays, stage_of_leaf, num_stale))
-  return _Rule(dynamic, delays, num_workers, num_stages, num_stale, stage_of_leaf,
-               _Slots(depths, rotate))
+  depths = tuple(stale_depths(plan.delays, stage_of_leaf, plan.num_stale))
+  return _Rule(plan, num_workers, num_stages, stage_of_leaf, _Slots(depths, rotate))
 
 
 def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
@@ -708,7 +722,7 @@ def make_train_step(
     return _with_versions(state, r.slots.ages(_version_leaves(state), count), treedef), metrics
 
   return TrainStep(run=run, prepare=prepare, finish=finish, init=_init_fn(tx, r),
-                   rule=rule if r.dynamic else None, scan_steps=scan_steps)
+                   rule=r.plan.rule if r.dynamic else None, scan_steps=scan_steps)
 
 
 def _compile(body, r: _Rule, mesh, axis_name, within, backend, scan_steps, donate,

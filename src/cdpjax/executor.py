@@ -49,6 +49,8 @@ TIMETABLES = {
     "model": ("gpipe", "cyclic"),
     "zero": ("zero3", "cyclic"),
 }
+# The timetables an executed parallelism can be asked for (`resolve`'s ``timetable``).
+EXECUTED_TIMETABLES = {"model": ("cyclic", "gpipe", "dp+mp"), "zero": ("cyclic", "zero3")}
 DESCRIPTIONS = {
     ("data", "lockstep"): "the update-rule engine (data parallelism, replicated state)",
     ("model", "gpipe"): "executed GPipe on the stage devices (all forwards, all backwards, flush)",
@@ -88,13 +90,32 @@ class RulePlan(NamedTuple):
     return f"rule {name} (N={n}, J={j}) runs as {DESCRIPTIONS[self.parallelism, self.timetable]}"
 
 
-def resolve(rule, parallelism: str, num_workers: int, num_stages: int) -> RulePlan:
+def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
+            timetable: str | None = None) -> RulePlan:
   """Resolves ``rule`` for ``parallelism``: delays, stale versions and timetable.
 
   A rule without delays (``dp``) runs GPipe under ``model`` and ZeRO-3 under
   ``zero``: the cyclic timetable has no causal ``dp``. A delayed rule runs the
   cyclic timetable there, which must be able to realise it (causal).
+  ``timetable`` asks for another of the parallelism's timetables
+  (``EXECUTED_TIMETABLES``): a flushed one runs any rule, and ``N`` micro-batches
+  for any ``J``.
+
+  The one place a rule is resolved: a run resolves it once and hands the plan
+  on; given a ``RulePlan``, this checks that it is for ``parallelism``, ``N``
+  and ``J`` and returns it.
   """
+  if isinstance(rule, RulePlan):
+    shape = ((rule.rule.num_workers, rule.rule.num_stages) if rule.delays is None
+             else tuple(rule.delays.shape))
+    if rule.parallelism != parallelism or shape != (num_workers, num_stages):
+      raise ValueError(
+          f"The rule's plan is for parallelism={rule.parallelism!r} with (N, J) = {shape}, not "
+          f"{parallelism!r} with ({num_workers}, {num_stages}): resolve the rule for this run "
+          "(executor.resolve).")
+    if timetable in (None, rule.timetable):
+      return rule
+    rule = rule.rule
   if parallelism not in PARALLELISMS:
     raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
   if isinstance(rule, schedule.DelayRule):  # New delays every step: only the engine runs them.
@@ -104,17 +125,25 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int) -> RulePl
   delays = schedule.resolve(rule, num_workers, num_stages)
   num_stale = schedule.max_delay(rule)
   flushed, cyclic = TIMETABLES[parallelism]
-  timetable = flushed if delays.max(initial=0) == 0 else cyclic
+  default = flushed if delays.max(initial=0) == 0 else cyclic
+  if timetable not in (None, default):
+    known = EXECUTED_TIMETABLES.get(parallelism, (default,))
+    if timetable not in known:
+      raise ValueError(f"Unknown timetable {timetable!r}: use one of {known}.")
+    if timetable == "cyclic":
+      raise ValueError(f"Rule {rule!r} has no delays and is not causal on the cyclic timetable: "
+                       f"use timetable={flushed!r} (or leave timetable unset) for dp.")
+    return RulePlan(rule, parallelism, delays, num_stale, timetable)
   if parallelism != "data" and num_workers != num_stages:
     raise ValueError(
         f"parallelism={parallelism!r} runs N = J micro-batches; got N={num_workers}, "
         f"J={num_stages}. Set num_workers equal to num_stages, or use parallelism='data'.")
-  if timetable == "cyclic" and not schedule.is_causal(rule, num_workers, num_stages):
+  if default == "cyclic" and not schedule.is_causal(rule, num_workers, num_stages):
     raise ValueError(
         f"Rule {rule!r} is not causal on the cyclic timetable: some forward would read a stage "
         "version that is not updated yet. Use cdp-v1 or cdp-v2, dp (which runs "
         f"{flushed}), or parallelism='data'.")
-  return RulePlan(rule, parallelism, delays, num_stale, timetable)
+  return RulePlan(rule, parallelism, delays, num_stale, default)
 
 
 def check_versions(state, plan: RulePlan) -> None:

@@ -38,7 +38,7 @@ def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule,
 
   num_workers = int(mesh.shape["data"]) if "data" in mesh.axis_names else 0
   plan = executor_lib.resolve(rule, "data", num_workers, engine.num_stages_of(stage_ids))
-  train_step = engine.make_train_step(worker_loss, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
+  train_step = engine.make_train_step(worker_loss, tx, stage_ids=stage_ids, rule=plan, mesh=mesh,
                                       backend=backend, with_model_state=with_model_state,
                                       scan_steps=scan_steps)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -96,7 +96,8 @@ def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, 
     model_state: the other variable collections, or None.
     stage_ids: an int stage per parameter leaf (`cdpjax.stages`).
     sample_input: an input batch, to trace the model's execution order.
-    rule: a name of ``schedule.RULES`` or a delay matrix.
+    rule: a name of ``schedule.RULES``, a delay matrix or a ``schedule.DelayRule``
+      (``data`` only), or the `executor.RulePlan` a run resolved it into once.
     mesh: the mesh of ``parallelism``: axis ``data``, or ``stage`` for ``model``;
       ``(replica, stage)`` or ``(replica, data)`` for replicas of ``model`` or
       ``zero``; ``(data, fsdp)`` for an engine worker of several devices.

@@ -41,7 +41,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cdpjax import config as config_lib
-from cdpjax import engine, models, schedule, stages, tasks
+from cdpjax import engine, models, stages, tasks
+from cdpjax import executor as executor_lib
 from cdpjax import executors
 
 
@@ -54,6 +55,7 @@ class Runner(NamedTuple):
   from_portable: Callable[[Any], Any]        # that form -> state, on this run's devices.
   steps_per_call: int                        # K: the steps of one compiled call.
   idle_fraction: float                       # Idle device-slots of the executed K-step call.
+  plan: executor_lib.RulePlan                # The rule, resolved once for the run.
 
 
 def learning_rate_schedule(c: ml_collections.ConfigDict, steps_per_epoch: int,
@@ -177,17 +179,18 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
   stage_ids = model_stage_ids(c, model, params, sample)
 
+  # The rule resolved once for the run (a DelayRule gives the engine each step's delays as data).
+  plan = executor_lib.resolve(config_lib.delay_rule(c), c.parallelism, c.num_workers,
+                              c.num_stages)
+
   def build(k):  # K = 1 is the step without scan (the engine then rotates its versions).
     return executors.build(
         c.parallelism, model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
-        sample_input=sample,
-        rule=config_lib.delay_rule(c),  # A DelayRule gives the engine each step's delays as data.
-        mesh=mesh, loss_fn=tasks.cross_entropy, backend=c.backend,
-        scan_steps=k if k > 1 else None)
+        sample_input=sample, rule=plan, mesh=mesh, loss_fn=tasks.cross_entropy,
+        backend=c.backend, scan_steps=k if k > 1 else None)
 
   num, why = steps_per_call(c, jax.default_backend())
   by_k = {num: build(num)}
-  plan = by_k[num].plan
   idle = executors.idle_fraction(plan, num)
   if jax.process_index() == 0:
     print(f"cdpjax: {plan.describe()}{_mesh_words(c)}; steps per compiled call: {num}"
@@ -207,7 +210,7 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
   ex = by_k[num]
   return Runner(init=lambda: ex.init(params, model_state), step=step, variables=ex.variables,
                 to_portable=ex.to_portable, from_portable=ex.from_portable,
-                steps_per_call=num, idle_fraction=idle)
+                steps_per_call=num, idle_fraction=idle, plan=plan)
 
 
 def _mesh_words(c) -> str:
@@ -977,9 +980,9 @@ def export_models(c, run: _Run, state, directory: str, prefix: str = "final_",
   metrics = {}
   if c.final_mean_view if mean_view is None else mean_view:
     stage_ids = model_stage_ids(c, run.model, variables["params"], run.sample)
-    rule = config_lib.delay_rule(c)
-    delays = (rule(int(jax.device_get(state.step))) if isinstance(rule, schedule.DelayRule)
-              else schedule.resolve(rule, c.num_workers, c.num_stages))
+    plan = run.runner.plan
+    delays = (plan.delays if plan.delays is not None
+              else plan.rule(int(jax.device_get(state.step))))
     view = {**variables,
             "params": engine.mean_worker_view(run.runner.to_portable(state), stage_ids, delays)}
     files["mean_view"] = view["params"]

@@ -61,14 +61,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cdpjax import compiled, engine
 from cdpjax import executor as executor_lib
-from cdpjax import schedule
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.plan import BWD, FWD
 from cdpjax.executed.staged import (StagedModel, VersionRing, after as staged_after,
                                     block as staged_block, set_block as staged_set_block,
                                     steps_batch, vary as _vary, with_steps_axis)
 
-TIMETABLES = ("cyclic", "gpipe", "dp+mp")
 STAGE_AXIS = "stage"
 DATA_AXIS = "data"
 REPLICA_AXIS = "replica"
@@ -490,7 +488,7 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
     raise ValueError(f"The model is cut into {staged.num_stages} stages, the mesh axis "
                      f"{STAGE_AXIS!r} has {num_stages} devices: use as many stages as devices.")
   axes, per_replica, num_rows = _layout(mesh, timetable, num_stages, num_micro_batches)
-  plan = _resolve(rule, timetable, num_rows, num_stages)
+  plan = executor_lib.resolve(rule, "model", num_rows, num_stages, timetable)
   num_micro = int(np.prod([mesh.shape[a] for a in axes[:-1]], dtype=int)) * per_replica
   tt = _Timetable(plan.timetable, axes, num_stages, num_micro, per_replica, scan_steps or 1)
   body = _make_body(staged, tx, plan.delays, tt)
@@ -541,7 +539,7 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
   to_portable, from_portable = portable_fns(Trees(staged, tx), plan, mesh,
                                             lambda state: _state_sharding(mesh, state))
   return executor_lib.Executor(
-      init=lambda params, model_state=None: init_state(staged, params, tx, rule=rule, mesh=mesh,
+      init=lambda params, model_state=None: init_state(staged, params, tx, rule=plan, mesh=mesh,
                                                        model_state=model_state),
       step=step, variables=lambda state: variables(state, staged),
       lower=lambda state, batch: run.lower(*prepare(state, batch, abstract_ring=True)),
@@ -568,18 +566,3 @@ def _layout(mesh: Mesh, timetable, num_stages: int, num_micro_batches):
         f"runs on ({STAGE_AXIS!r},) or ({REPLICA_AXIS!r}, {STAGE_AXIS!r}) (dp+mp on "
         f"({DATA_AXIS!r}, {STAGE_AXIS!r})): drop or rename {others}.")
   return axes, per_replica, num_rows
-
-
-def _resolve(rule, timetable, num_micro, num_stages) -> executor_lib.RulePlan:
-  """The rule's plan; an explicit ``timetable`` must be able to run it."""
-  if timetable is None or timetable == "cyclic":
-    plan = executor_lib.resolve(rule, "model", num_micro, num_stages)
-    if timetable == "cyclic" and plan.timetable != "cyclic":
-      raise ValueError(
-          f"Rule {rule!r} has no delays and is not causal on the cyclic timetable: use "
-          "timetable='gpipe' (or leave timetable unset) for dp.")
-    return plan
-  if timetable not in TIMETABLES:
-    raise ValueError(f"Unknown timetable {timetable!r}: use one of {TIMETABLES}.")
-  delays = schedule.resolve(rule, num_micro, num_stages)
-  return executor_lib.RulePlan(rule, "model", delays, schedule.max_delay(rule), timetable)

@@ -75,7 +75,6 @@ from cdpjax.executed.staged import (StagedModel, after as staged_after, block as
 
 AXIS = "data"
 REPLICA = "replica"
-TIMETABLES = ("cyclic", "zero3")
 
 
 def owner(stage: int, num_stages: int) -> int:
@@ -669,7 +668,7 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
       Trees(staged, tx, _owner_rows), plan, mesh,
       lambda state: _shardings(state, mesh, plan.timetable))
   return executor_lib.Executor(
-      init=lambda params, model_state=None: init_state(staged, params, tx, rule=rule, mesh=mesh,
+      init=lambda params, model_state=None: init_state(staged, params, tx, rule=plan, mesh=mesh,
                                                        model_state=model_state),
       step=step, variables=lambda state: variables(state, staged),
       lower=lambda state, batch: run.lower(*prepare(state, batch)), plan=plan,
@@ -677,21 +676,14 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
 
 
 def _resolve(rule, timetable, num_workers) -> executor_lib.RulePlan:
-  """The rule's plan on the ring; an explicit ``timetable`` must be able to run it."""
-  if not isinstance(rule, str) and np.shape(rule) != (num_workers, num_workers):
+  """The rule's plan on the ring (`executor.resolve`), one stage per worker."""
+  if not isinstance(rule, (str, executor_lib.RulePlan)) and np.shape(rule) != (num_workers,
+                                                                             num_workers):
     raise ValueError(
         f"Delay matrix has shape {np.shape(rule)}; CDP-ZeRO needs (N, J) = ({num_workers}, "
         f"{num_workers}): one stage per worker. Use J = N stages, or the replicated engine "
         "(parallelism='data') for N != J.")
-  plan = executor_lib.resolve(rule, "zero", num_workers, num_workers)
-  if timetable is None:
-    return plan
-  if timetable not in TIMETABLES:
-    raise ValueError(f"Unknown timetable {timetable!r}: use one of {TIMETABLES}.")
-  if timetable == "cyclic" and plan.timetable != "cyclic":
-    raise ValueError(f"Rule {rule!r} has no delays and is not causal on the cyclic timetable: "
-                     "use timetable='zero3' (or leave timetable unset) for dp.")
-  return plan._replace(timetable=timetable)
+  return executor_lib.resolve(rule, "zero", num_workers, num_workers, timetable)
 
 
 def _metrics(rows, num_replicas: int, num_workers: int) -> dict:
