@@ -24,6 +24,7 @@ import pytest
 from cdpjax import config as config_lib
 from cdpjax import engine
 from cdpjax import train
+from cdpjax.train import checkpoints, loop
 
 pytestmark = pytest.mark.slow  # Not in the fast subset (README, Tests).
 
@@ -194,9 +195,9 @@ def test_parameters_that_stop_being_finite_are_never_checkpointed(tmp_path):
 
 def test_a_finite_check_sees_every_leaf():
   ok = {"w": np.ones(3, np.float32), "steps": np.int32(3)}
-  assert bool(train._all_finite(np.float32(1.0), ok))
-  assert not bool(train._all_finite(np.float32(np.nan), ok))
-  assert not bool(train._all_finite(np.float32(1.0), {**ok, "b": np.array([1.0, np.inf])}))
+  assert bool(checkpoints.all_finite(np.float32(1.0), ok))
+  assert not bool(checkpoints.all_finite(np.float32(np.nan), ok))
+  assert not bool(checkpoints.all_finite(np.float32(1.0), {**ok, "b": np.array([1.0, np.inf])}))
 
 
 def _linear_step(rule, stage_ids):
@@ -290,7 +291,7 @@ def test_another_model_on_a_config_drops_the_options_it_does_not_take():
 def test_a_second_ctrl_c_exits_at_once():
   """The first Ctrl-C asks for a save; it leaves SIGINT's default action (exit now) for the next."""
   before = signal.getsignal(signal.SIGINT)
-  with train._Interrupts() as interrupts:  # pylint: disable=protected-access
+  with loop.Interrupts() as interrupts:
     assert signal.getsignal(signal.SIGINT) == interrupts._handle  # pylint: disable=protected-access
     os.kill(os.getpid(), signal.SIGINT)
     assert interrupts.requested == "SIGINT" and interrupts.stop_at(1)
