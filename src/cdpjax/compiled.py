@@ -618,17 +618,13 @@ def compiler_options(mesh) -> dict[str, object]:
   (``xla_cpu_copy_insertion_use_region_analysis``, off by default). Without
   it XLA copies a loop-carried version that changes place (``theta_t`` into
   the stale slot of a ``lax.scan`` of steps) three times per step where one
-  suffices: the engine's cdp-v2 at ``bench_engine``'s MLP with 16 steps per
-  call compiled 96 ``copy`` instructions and 1.75 parameter sizes of peak
-  over dp; with it 35 and 1.00 (the stale copy itself). The GPU has the same
-  option (``xla_gpu_...``), not set: not measured here. The TPU's copy
+  suffices (docs/design_notes.md, "What was tried in the code"). The GPU
+  has the same option (``xla_gpu_...``), not set: not measured here. The TPU's copy
   insertion is left as it is (one copy per version in our AOT checks).
 
   On the CPU, also no YNN fusion (``xla_cpu_experimental_ynn_fusion_type``
   empty): jaxlib 0.10.2's fuses a chain of pads and adds into a kernel that
-  writes zeros for one gradient leaf (docs/xla_cpu_miscompile.md). Measured,
-  ResNet-18 of configs/digits.py, 4 stage backwards in one program: 1.77x
-  faster without it; the residual MLP's: 5% slower.
+  writes zeros for one gradient leaf (docs/xla_cpu_miscompile.md).
   """
   platform = np.asarray(mesh.devices).flat[0].platform
   if platform != "cpu":
@@ -656,9 +652,8 @@ def memory(compiled) -> dict[str, int]:
   (aliased outputs reuse argument buffers). Not ``peak_memory_in_bytes``: on
   the CPU it left out arguments in our checks, and on the TPU it is neither
   this nor the HBM of the buffer assignment. The TPU's temp can exceed that
-  HBM (the 1B transformer's CDP+ZeRO: 22.8 GiB estimated, 15.9 in the dump's
-  buffer assignment; BENCHMARKS.md): on the TPU it was above the buffer
-  assignment's HBM in each of the four programs checked.
+  HBM, so a peak just over a chip's HBM may still fit (docs/multihost.md,
+  BENCHMARKS.md).
   """
   stats = compiled.memory_analysis()
   out = {

@@ -158,15 +158,10 @@ def _worker_view(ages, stage_of_leaf, delays, axis_name, given=None):
   marked varying over ``axis_name``, so its gradient is this worker's own (a
   replicated input's gradient would come back already summed).
 
-  A select per leaf costs cdp-v2 three parameter sizes of traffic a step. A
-  ``lax.switch`` with one branch per distinct row, reading in place, was tried
-  (2026-12): no faster on CPU, and the TPU compiler gives each branch its own
-  temporaries (ResNet-18 on v5e:2x4: peak 0.99 against 0.45 GB), so: selects.
-  A blend ``stale * s + fresh * (1 - s)``, which XLA:CPU fuses into the dots
-  with ``--xla_cpu_experimental_ynn_fusion_type=dot,eltwise``, was tried too
-  (2026-12-03, bench_engine's MLP, one step a call): cdp-v2/dp 1.04, but every
-  program, dp's included, 15-30% slower with the flag; without it the blend
-  is slower than the select (cdp-v2/dp 1.13 against 1.09).
+  A select per leaf costs cdp-v2 three parameter sizes of traffic a step, yet
+  it stays: a ``lax.switch`` reading in place and an arithmetic blend were each
+  no faster or held more memory (docs/design_notes.md, "What was tried in the
+  code").
   """
   row = jnp.asarray(delays)[jax.lax.axis_index(axis_name)]
   view = []
@@ -542,9 +537,8 @@ def _carried_view_body(step_of, r: _Rule, axis_name: str, scan_steps: int, carri
 
   A scan's carry keeps each buffer in its place, so the versions cannot
   rotate: the per-worker select of a leaf some workers read stale writes a view
-  beside both versions, and shifting ``theta_t`` into the stale slot copies it
-  (cdp-v2's extra peak over dp was 1.17 and 1.88 times its stale bytes for
-  ResNet-18 and the transformer of bench_engine, 2026-12). Instead the stale
+  beside both versions, and shifting ``theta_t`` into the stale slot copies it,
+  so cdp-v2's extra peak over dp exceeded its stale bytes. Instead the stale
   slot carries the view: once the update is known, the view of step ``t+1``
   (``theta_t`` where the worker reads stale, ``theta_{t+1}`` where fresh) is
   written over the view of step ``t``, which the gradients no longer need.
@@ -554,10 +548,10 @@ def _carried_view_body(step_of, r: _Rule, axis_name: str, scan_steps: int, carri
   ``theta_{t+1}`` is recomputed as ``optax.apply_updates`` does (same
   rounding), from ``theta_t`` and the update, so XLA can write the view before
   ``theta_{t+1}`` overwrites ``theta_t`` in place; reading the new parameters
-  instead made it keep a third version at small sizes (2.0x the stale bytes
-  at the tests' MLP). The final view is typed varying over the workers though
-  it is the same on each, so the ``shard_map`` of this body is built with
-  ``check_vma=False`` (JAX 0.10 has no varying-to-invariant cast).
+  instead made it keep a third version at small sizes. The final view is
+  typed varying over the workers though it is the same on each, so the
+  ``shard_map`` of this body is built with ``check_vma=False`` (JAX 0.10 has
+  no varying-to-invariant cast).
   """
   in_scan = _Slots(tuple(0 if c else m for c, m in zip(carried, r.slots.depths)), False)
   keys = [k for k, c in enumerate(carried) if c]
@@ -570,7 +564,7 @@ def _carried_view_body(step_of, r: _Rule, axis_name: str, scan_steps: int, carri
       # The update this view takes: not the update's own sum, which XLA would merge
       # with this one (the view would then wait for theta_{t+1}, which could no
       # longer overwrite theta_t). An optimization_barrier did as well on the CPU
-      # but held more on the TPU (ResNet-18: 1.27 of the stale bytes against 1.03).
+      # but held more on the TPU.
       update = jnp.where(reads_fresh, updates[k], 0)
       views.append(jnp.where(reads_fresh, (fresh[k] + update).astype(fresh[k].dtype), fresh[k]))
     return views
@@ -689,9 +683,7 @@ def make_train_step(
   # XLA copies theta_t into each stale leaf's slot once a step (on the CPU with
   # copy insertion's region analysis, `compiled.compiler_options`; three copies
   # a leaf without it). A scan over groups of D + 1 unrolled, rotating steps
-  # copies nothing but was slower and held more peak memory (2026-12, CPU,
-  # digits MLP, K = 16: dp alone 1.2-1.3x slower, peak 6.1 against 4.0
-  # parameter sizes; TPU v5e AOT, K = 8: +1.40 over dp against +1.10). The
+  # copies nothing but was slower and held more peak memory. The
   # leaves some workers read fresh and others stale carry each worker's view
   # in the stale slot instead, and copy nothing (`_carried_view_body`).
   r = _resolve_rule(rule, stage_ids, int(mesh.shape[axis_name]), rotate=scan_steps is None)

@@ -518,8 +518,8 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
   @functools.partial(jax.jit, out_shardings=everywhere)
   def finish(raw):
     # Per device [J, K], or [R, J, K] with replicas; replicated by this program of its
-    # own after the step (one dispatch: eager, its dozen small ops took 5.6 ms a call on
-    # the digits MLP), so the step itself holds no collective for its metrics.
+    # own after the step (one dispatch, where eager its dozen small ops cost a call more),
+    # so the step itself holds no collective for its metrics.
     loss, grad_sq, param_sq = jax.sharding.reshard(raw, everywhere)
     if tt.replica_axis:
       loss, grad_sq, param_sq = jnp.sum(loss[:, -1], axis=0), grad_sq[0], param_sq[0]

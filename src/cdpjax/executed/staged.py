@@ -415,7 +415,7 @@ def with_steps_axis(batch, scan_steps: int | None):
   """Inside a compiled step: one step's batch as ``[1, N*b, ...]`` (``K`` steps' as they are).
 
   Done in the step, where it is a free reshape: outside it was a program per
-  leaf and call (2.5 ms a call on one CPU core, 4 devices).
+  leaf and call.
   """
   return batch if scan_steps is not None else jax.tree.map(lambda x: x[None], batch)
 
@@ -429,15 +429,12 @@ class VersionRing(NamedTuple):
   versions per call of ``K`` steps) and is the step's argument: stacked inside
   the step, the state's version buffers, aliased to its outputs, and the ring
   both live through the call, the stale rows held twice. Flat, not ``[V, P]``:
-  with ``[V, P]`` the TPU compiler's temporaries grew (executed CDP+MP,
-  ResNet-18 on v5e:2x4: peak per chip 837 MB, 703 MB flat, 804 MB stacked
-  inside the step). In CDP+ZeRO the flat argument raised the TPU peak
-  (ResNet-18, v5e:2x4: 1157 against 1025 MB), and it carries the state's own
-  buffers through its scan (one owned stage a worker, a select per buffer at
-  an update). That way was tried here (2026-12-03): XLA then copies a stage
-  buffer at each update (with a select per buffer each reads the other's old
-  value; with a switch writing one buffer, a branch's pass-through is
-  copied), ``K`` copies a call against the ring's ``2V``.
+  with ``[V, P]`` the TPU compiler's temporaries grew. CDP+ZeRO, where the flat
+  argument raised the TPU peak, carries the state's own buffers through its
+  scan (one owned stage a worker, a select per buffer at an update); not so
+  here, where XLA then copies a stage buffer at each update, ``K`` copies a
+  call against the ring's ``2V`` (docs/design_notes.md, "What was tried in
+  the code").
   """
   size: int       # P.
   num_steps: int  # K: the scan applies K updates, so it ends with head = -K % V.

@@ -464,10 +464,8 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
     partial = grads + jnp.where(ev["grad_chain"] == 1, pick("grad"), 0.0)
     # The owner's own chain ends here (row 2) until its update; no worker reads that row's queue.
     # Every slot writes a row, though only a backward's is read: writing it under a conditional
-    # (in the backward branch, or a cond of its own) cut this bookkeeping on the CPU (bench_zero,
-    # N = 4: 0.27-0.31 -> 0.22-0.24 of a ZeRO-3 step), but raised the TPU compiler's peak by
-    # about the queue's size (ResNet-18 by parameters, v5e:2x4, R = 2: 0.609 -> 0.644 GiB per
-    # chip; not the residual MLP's at width 1024; 2026-12-03), so: unconditional.
+    # cut this bookkeeping on the CPU but raised the TPU compiler's peak by about the queue's
+    # size, so: unconditional.
     grads_row = jnp.where(ev["grad_end"] == 1, 2, parity)
     return c._replace(
         used_2xP=c.used_2xP.at[parity].set(buf),
@@ -642,7 +640,7 @@ def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, ru
 
   @functools.partial(jax.jit, out_shardings=everywhere)
   def metrics(rows):  # One dispatch after the step (eager, and with the batch reshaped outside
-    # the step, 5 ms more a call on the digits MLP at J = 4).
+    # the step, a call cost more).
     per_step = _metrics(jax.sharding.reshard(rows, everywhere), num_replicas, num_workers)
     return per_step if scan_steps else jax.tree.map(lambda m: m[0], per_step)
 
