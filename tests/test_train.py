@@ -95,6 +95,21 @@ def test_steps_per_call_divides_the_eval_and_checkpoint_intervals(requested, eva
   assert train.steps_per_call(c) == (expected, "")
 
 
+@pytest.mark.parametrize("config, parallelism, rule, expected, idle", [
+    ("digits", "data", "cdp-v2", 10, 0.0),      # Lockstep: the largest K <= 16 dividing 100.
+    ("digits", "model", "cdp-v2", 20, 0.036),   # 10 would idle 0.070.
+    ("digits", "zero", "cdp-v2", 20, 0.042),    # 10 would idle 0.080.
+    ("digits", "model", "dp", 10, 0.429),       # GPipe flushes every step whatever K is.
+    ("lm", "model", "cdp-v2", 25, 0.029)])      # Intervals 50 and 100.
+def test_the_default_steps_per_call_keeps_the_idle_fraction_under_the_goal(
+    config, parallelism, rule, expected, idle):
+  c = load_config(config, f"parallelism={parallelism},rule={rule}")
+  assert c.steps_per_call == 0
+  plan = executor.resolve(rule, parallelism, c.num_workers, c.num_stages)
+  assert train.steps_per_call(c, "tpu", plan) == (expected, "")
+  assert executors.idle_fraction(plan, expected) == pytest.approx(idle, abs=5e-4)
+
+
 @pytest.mark.parametrize("platform, parallelism, expected", [
     ("cpu", "data", 1), ("cpu", "model", 16), ("tpu", "data", 16), ("gpu", "data", 16)])
 def test_the_engine_runs_a_convolutional_model_one_step_per_call_on_the_cpu(

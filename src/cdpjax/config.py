@@ -111,11 +111,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 3
   c.resume_step = -1  # The checkpoint a resume starts from: -1, the newest; N, step N's.
   # Steps per compiled call (one lax.scan): an executed pipeline fills and
-  # drains once per call, not once per step. Lowered to the largest K that
-  # divides eval_every_steps and checkpoint_every_steps (`train.steps_per_call`);
-  # 1 for the engine with a ResNet on the CPU, whose scanned backward
+  # drains once per call, not once per step. K divides eval_every_steps and
+  # checkpoint_every_steps (`train.steps_per_call`): 0 picks the smallest whose
+  # idle fraction is under 0.05 (16 at most for the engine); K > 0, the largest
+  # up to K. 1 for the engine with a ResNet on the CPU, whose scanned backward
   # convolutions XLA runs on a slow path.
-  c.steps_per_call = 16
+  c.steps_per_call = 0
   return c
 
 
@@ -171,9 +172,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for key in ("num_workers", "num_stages", "num_replicas", "devices_per_worker",
               "per_worker_batch_size", "eval_batch_size",
               "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
-              "keep_checkpoints", "steps_per_call"):
+              "keep_checkpoints"):
     if c[key] < 1:
       raise ValueError(f"--config.{key} must be >= 1, got {c[key]}.")
+  if c.steps_per_call < 0:
+    raise ValueError(f"--config.steps_per_call must be >= 0 (0: chosen by the run), got "
+                     f"{c.steps_per_call}.")
   if c.num_train_steps < 1 and c.num_epochs <= 0:
     raise ValueError("Set --config.num_train_steps >= 1 or --config.num_epochs > 0.")
   _validate_mesh(c)

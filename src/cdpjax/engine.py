@@ -27,26 +27,8 @@ from cdpjax import executor as executor_lib
 BACKENDS = ("shard_map", "pmap")
 
 
-class CyclicState(NamedTuple):
-  """Everything that shapes the trajectory of CDP training.
-
-  Attributes:
-    step: int32 scalar, the number of updates applied so far (``t``).
-    params: ``theta_t``, the current parameters.
-    stale_params: ``(theta_{t-1}, ..., theta_{t-D})``; empty for ``dp``.
-    opt_state: the optax state of ``params``.
-    model_state: non-trained state such as BatchNorm statistics, or ``None``.
-  """
-  step: jax.Array
-  params: Any
-  stale_params: tuple
-  opt_state: Any
-  model_state: Any = None
-
-  @property
-  def versions(self) -> tuple:
-    """``(theta_t, theta_{t-1}, ..., theta_{t-D})``."""
-    return (self.params,) + tuple(self.stale_params)
+CyclicState = executor_lib.State
+"""The engine's state: `executor.State` with flax trees (the portable form)."""
 
 
 def init_state(params, tx: optax.GradientTransformation, *, rule,

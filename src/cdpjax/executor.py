@@ -61,6 +61,31 @@ DESCRIPTIONS = {
 }
 
 
+class State(NamedTuple):
+  """Everything that shapes the trajectory of CDP training, in every mode.
+
+  The engine keeps flax trees (``engine.CyclicState``, the portable form); the
+  executed timetables flat stage rows (``executed.pipeline.StagedState``).
+
+  Attributes:
+    step: int32 scalar, the number of updates applied so far (``t``).
+    params: ``theta_t``, the current parameters.
+    stale_params: ``(theta_{t-1}, ..., theta_{t-D})``; empty for ``dp``.
+    opt_state: the optax state of ``params``.
+    model_state: non-trained state such as BatchNorm statistics, or ``None``.
+  """
+  step: jax.Array
+  params: Any
+  stale_params: tuple
+  opt_state: Any
+  model_state: Any = None
+
+  @property
+  def versions(self) -> tuple:
+    """``(theta_t, theta_{t-1}, ..., theta_{t-D})``."""
+    return (self.params,) + tuple(self.stale_params)
+
+
 class RulePlan(NamedTuple):
   """A rule resolved once for one parallelism.
 

@@ -72,26 +72,10 @@ DATA_AXIS = "data"
 REPLICA_AXIS = "replica"
 
 
-class StagedState(NamedTuple):
-  """The state of an executed timetable; every leaf but ``step`` leads with a stage axis.
-
-  Attributes:
-    step: int32 scalar, the number of updates applied so far (``t``).
-    params: ``theta_t``, ``[J, P]`` (flat stages, `staged`).
-    stale_params: ``(theta_{t-1}, ..., theta_{t-D})``, each ``[J, P]``.
-    opt_state: the optax state of each stage, stacked on the stage axis.
-    model_state: ``[J, M]``, each stage's model state; None for a model without one.
-  """
-  step: jax.Array
-  params: Any
-  stale_params: tuple
-  opt_state: Any
-  model_state: Any
-
-  @property
-  def versions(self) -> tuple:
-    """``(theta_t, theta_{t-1}, ..., theta_{t-D})``."""
-    return (self.params,) + tuple(self.stale_params)
+StagedState = executor_lib.State
+"""An executed timetable's state: `executor.State` whose leaves but ``step`` lead with a stage
+axis: ``params`` and each stale version ``[J, P]`` (flat stages, `staged`), the optimizer
+state of each stage stacked on that axis, the model state ``[J, M]`` (None without one)."""
 
 
 def replicated(x):

@@ -127,11 +127,23 @@ _CPU_CONVOLUTIONS = (
     "call in bench_engine)")
 
 
-def steps_per_call(c, platform: str | None = None) -> tuple[int, str]:
-  """``(K, why)``: the largest ``K <= steps_per_call`` dividing the eval and checkpoint intervals.
+# The idle fraction the default K keeps an executed timetable under, where the intervals allow.
+IDLE_GOAL = 0.05
+# The default K of a timetable without idle slots (the engine, ZeRO-3): a scan saves dispatches.
+LOCKSTEP_STEPS_PER_CALL = 16
+
+
+def steps_per_call(c, platform: str | None = None,
+                   plan: executor_lib.RulePlan | None = None) -> tuple[int, str]:
+  """``(K, why)``: a ``K`` dividing the eval and checkpoint intervals.
 
   Those steps then end a call, so one compiled ``K`` serves the whole run; a
-  logged step needs no call boundary (its metrics come with its call). On
+  logged step needs no call boundary (its metrics come with its call).
+  ``steps_per_call > 0`` asks for the largest such ``K`` up to it. ``0``, the
+  default: with ``plan``'s cyclic timetable, the smallest ``K`` whose idle
+  fraction (its fill and drain, `executors.idle_fraction`) is under
+  ``IDLE_GOAL``; otherwise (lockstep, GPipe's flush every step, intervals too
+  short for the goal) the largest up to ``LOCKSTEP_STEPS_PER_CALL``. On
   the ``"cpu"`` ``platform`` the engine (``parallelism="data"``) runs a
   convolutional model one step per call (``why`` says so; empty otherwise):
   the engine gains only dispatch time from a scan, and the CPU's scanned
@@ -139,7 +151,15 @@ def steps_per_call(c, platform: str | None = None) -> tuple[int, str]:
   which removes their fill and drain.
   """
   every = math.gcd(c.eval_every_steps, c.checkpoint_every_steps)
-  k = max(k for k in range(1, min(c.steps_per_call, every) + 1) if every % k == 0)
+  divisors = [k for k in range(1, every + 1) if every % k == 0]
+  reaching = [d for d in divisors if plan is not None and 0 < executors.idle_fraction(plan, 1)
+              and executors.idle_fraction(plan, d) < IDLE_GOAL]
+  if c.steps_per_call:
+    k = max(d for d in divisors if d <= c.steps_per_call)
+  elif reaching:
+    k = reaching[0]
+  else:  # Lockstep, or a flush every step (GPipe), or intervals too short for the goal.
+    k = max(d for d in divisors if d <= LOCKSTEP_STEPS_PER_CALL)
   if k > 1 and platform == "cpu" and c.parallelism == "data" and models.is_convolutional(c.model):
     return 1, _CPU_CONVOLUTIONS
   return k, ""
@@ -167,7 +187,7 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
         sample_input=sample, rule=plan, mesh=mesh, loss_fn=tasks.cross_entropy,
         backend=c.backend, scan_steps=k if k > 1 else None)
 
-  num, why = steps_per_call(c, jax.default_backend())
+  num, why = steps_per_call(c, jax.default_backend(), plan)
   by_k = {num: build(num)}
   idle = executors.idle_fraction(plan, num)
   if jax.process_index() == 0:
