@@ -75,7 +75,7 @@ def test_zero3_gathers_parameters_without_permutes(executed):
   assert executed["zero"]["devices_used"] == executed["zero"]["chips"] == 8
 
 
-def test_memory_flops_and_fit_are_consistent(executed, engine_run):
+def test_memory_and_fit_are_consistent_and_no_loop_blind_flops(executed, engine_run):
   for result in (*executed.values(), engine_run[1]):
     m = result["memory_per_chip"]
     assert m["peak_bytes"] > m["argument_bytes"] > 0
@@ -83,7 +83,7 @@ def test_memory_flops_and_fit_are_consistent(executed, engine_run):
                                - m["alias_bytes"])
     assert result["hbm_per_chip_bytes"] == aot.CHIP_HBM_BYTES["v5e"] == 16 * aot.GIB
     assert result["fits"] == (m["peak_bytes"] <= result["hbm_per_chip_bytes"])
-    assert result["flops"] > 0 and result["optimal_seconds"] > 0
+    assert "flops" not in result and "optimal_seconds" not in result  # A loop body counted once.
   # The parameters of the same model: a replicated engine state holds them all on every chip.
   assert engine_run[1]["num_params"] == executed["model"]["num_params"]
 
