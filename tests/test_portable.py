@@ -1,7 +1,7 @@
 """A run moves between parallelisms: checkpoints hold one portable state that every executor reads.
 
 ResNet-18 of configs/digits.py (heterogeneous stages cut by FLOPs, BatchNorm
-statistics), N = J = 4, cdp-v2, SGD with momentum and weight decay, one
+statistics), N = J = 2, cdp-v2, SGD with momentum and weight decay, one
 checkpoint a step:
 
 - the conversion is exact: `executed.pipeline.Trees` maps the engine's state
@@ -31,7 +31,7 @@ LEGS = ("data", "model", "zero", "data")
 
 
 def config(parallelism, num_steps, **overrides):
-  c = smoke_config("resnet18", parallelism, "cdp-v2", size=4)
+  c = smoke_config("resnet18", parallelism, "cdp-v2", size=2)
   c.unlock()
   c.update(num_train_steps=num_steps, checkpoint_every_steps=1, **overrides)
   c.lock()

@@ -63,9 +63,10 @@ from cdpjax import compiled, engine
 from cdpjax import executor as executor_lib
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.plan import BWD, FWD
-from cdpjax.executed.staged import (StagedModel, VersionRing, after as staged_after,
-                                    block as staged_block, set_block as staged_set_block,
-                                    steps_batch, vary as _vary, with_steps_axis)
+from cdpjax.executed.device import (VersionRing, after as staged_after, block as staged_block,
+                                    set_block as staged_set_block, steps_batch, vary as _vary,
+                                    with_steps_axis)
+from cdpjax.executed.staged import StagedModel
 
 STAGE_AXIS = "stage"
 DATA_AXIS = "data"
@@ -403,7 +404,7 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
 
   def body(state: StagedState, ring_1xVP, batch):
     """``state`` without its versions, which come as their flat ring ``[1, V*P]``
-    (`staged.VersionRing`)."""
+    (`device.VersionRing`)."""
     local = lambda tree: jax.tree.map(lambda a: a[0], tree)
     x, labels = batch["image"], batch["label"]
     x_KxMx = x.reshape((tt.num_steps, tt.per_replica, -1) + x.shape[2:])

@@ -70,8 +70,9 @@ from cdpjax import compiled, engine
 from cdpjax import executor as executor_lib
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.pipeline import StagedState, Trees, portable_fns, replicated
-from cdpjax.executed.staged import (StagedModel, after as staged_after, block as staged_block,
-                                    set_block, steps_batch, vary, with_steps_axis)
+from cdpjax.executed.device import (after as staged_after, block as staged_block, set_block,
+                                    steps_batch, vary, with_steps_axis)
+from cdpjax.executed.staged import StagedModel
 
 AXIS = "data"
 REPLICA = "replica"
@@ -336,7 +337,7 @@ class _Ring(NamedTuple):
     """``ppermute(make(*operands))`` over ``pair_lists[index]``, zeros for an empty list.
 
     The buffer sent depends on ``after`` (the previous collective's result, or
-    None; `staged.after`), which fixes the order of the two collectives.
+    None; `device.after`), which fixes the order of the two collectives.
     """
     shape = jax.eval_shape(make, *operands)
 
