@@ -93,12 +93,18 @@ def _section(text: str, title: str) -> str:
   return text.split(f"## {title}\n")[1].split("\n## ")[0]
 
 
-def test_report_runs_benches_and_names_missing_ones(tmp_path):
+@pytest.fixture
+def benches(tmp_path):
+  """A bench folder: bench_overlap writes a table and JSON, bench_zero fails."""
+  folder = tmp_path / "benches"
+  folder.mkdir()
+  (folder / "bench_overlap.py").write_text(FAKE_BENCH)
+  (folder / "bench_zero.py").write_text(FAILING_BENCH)
+  return folder
+
+
+def test_report_runs_benches_and_names_missing_ones(tmp_path, benches):
   report = _script("report")
-  benches = tmp_path / "benches"
-  benches.mkdir()
-  (benches / "bench_overlap.py").write_text(FAKE_BENCH)
-  (benches / "bench_zero.py").write_text(FAILING_BENCH)
   output = tmp_path / "BENCHMARKS.md"
   text = report.main(["--quick", "--bench_dir", str(benches), "--output", str(output),
                       "--results_dir", str(tmp_path / "results")])
@@ -116,12 +122,8 @@ def test_report_runs_benches_and_names_missing_ones(tmp_path):
   assert str(tmp_path) not in text
 
 
-def test_report_reruns_only_the_named_benches(tmp_path):
+def test_report_reruns_only_the_named_benches(tmp_path, benches):
   report = _script("report")
-  benches = tmp_path / "benches"
-  benches.mkdir()
-  (benches / "bench_overlap.py").write_text(FAKE_BENCH)
-  (benches / "bench_zero.py").write_text(FAILING_BENCH)
   kept = tmp_path / "results/bench_pipeline/bench_pipeline.json"
   kept.parent.mkdir(parents=True)
   kept.write_text(json.dumps({"source": "kept from before", "rows": []}))

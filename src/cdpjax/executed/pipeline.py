@@ -166,7 +166,8 @@ def portable_fns(trees: Trees, plan, mesh: Mesh, shardings):
   spread over the mesh (`executor.spread`), the staged ones placed by
   ``shardings(state)``.
   """
-  depth = np.max(plan.delays, axis=0, initial=0)  # Per stage: the oldest version read.
+  # Per stage: the oldest version some worker reads.
+  depth = engine.stale_depths(plan.delays, range(plan.delays.shape[1]), plan.num_stale)
   everywhere = NamedSharding(mesh, P())
 
   def jitted(fn, out_shardings):
