@@ -129,7 +129,7 @@ def measure(schedule, num_stages, args, staged, params, batch, act_bytes):
     mesh = jax.make_mesh((num_stages,), ("stage",))
   tx = optax.sgd(0.1, momentum=0.9)  # tests/test_pipeline.py's, so --quick reuses its compiles.
   rule = RULES[schedule]
-  ex = pipeline.make_train_step(staged, tx, rule=rule, mesh=mesh, timetable=schedule,
+  ex = pipeline.make_executor(staged, tx, rule=rule, mesh=mesh, timetable=schedule,
                                 scan_steps=args.steps_per_call)
   state = ex.init(params)
   exe = ex.lower(state, batch).compile()
@@ -240,8 +240,8 @@ def compile_sweep(args) -> list[dict]:
       continue
     staged, params, batch, _ = mlp_workload(num_stages, args, one_step=True, pad_to=num_stages)
     tx = optax.sgd(0.1, momentum=0.9)
-    for name, make, axis in (("pipeline", pipeline.make_train_step, "stage"),
-                             ("zero", zero.make_train_step, "data")):
+    for name, make, axis in (("pipeline", pipeline.make_executor, "stage"),
+                             ("zero", zero.make_executor, "data")):
       ex = make(staged, tx, rule="cdp-v2", mesh=jax.make_mesh((num_stages,), (axis,)))
       state = ex.init(params)
       start = time.perf_counter()

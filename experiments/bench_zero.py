@@ -3,8 +3,8 @@
 For N = J in {2, 4, 8} workers on emulated CPU devices, the digits ResidualMLP
 (J blocks, one per stage) is trained with:
 
-- ``cyclic``: ``executed.zero.make_train_step(timetable="cyclic")``, rule cdp-v2;
-- ``zero3``: ``executed.zero.make_train_step(timetable="zero3")``, rule dp;
+- ``cyclic``: ``executed.zero.make_executor(timetable="cyclic")``, rule cdp-v2;
+- ``zero3``: ``executed.zero.make_executor(timetable="zero3")``, rule dp;
 - ``engine``: the replicated engine (``executors.build("data", ...)``), rule cdp-v2.
 
 ``cyclic`` and ``zero3`` run ``--scan_steps`` K steps per compiled call (the
@@ -133,7 +133,7 @@ def build(num_workers, args):
                           mesh=mesh, loss_fn=staged_lib.cross_entropy)
       num_steps, call_batch = 1, batch
     else:
-      ex = zero.make_train_step(staged, tx, rule=rule, mesh=mesh, timetable=name,
+      ex = zero.make_executor(staged, tx, rule=rule, mesh=mesh, timetable=name,
                                 scan_steps=args.scan_steps)
       num_steps, call_batch = args.scan_steps, steps_batch
     state = ex.init(params)
@@ -190,7 +190,7 @@ def messages_replaced(floor: str):
   slot waits for: the least that exchanging data every slot costs these
   slots. ``no_collectives`` leaves each worker running free.
   """
-  send, permute = zero._Ring.send, zero._Ring.permute  # pylint: disable=protected-access
+  send, permute = zero.Ring.send, zero.Ring.permute
 
   def one_rendezvous(ring, *args):
     out = send(ring, *args)
@@ -198,13 +198,13 @@ def messages_replaced(floor: str):
     token = permute(ring, out[0][:16], pairs)
     return [out[0].at[0].add(0 * jnp.sum(token))] + out[1:]  # In place.
 
-  zero._Ring.permute = lambda ring, buffer, pairs: buffer  # pylint: disable=protected-access
+  zero.Ring.permute = lambda ring, buffer, pairs: buffer
   if floor == "slot_rendezvous":
-    zero._Ring.send = one_rendezvous  # pylint: disable=protected-access
+    zero.Ring.send = one_rendezvous
   try:
     yield
   finally:
-    zero._Ring.send, zero._Ring.permute = send, permute  # pylint: disable=protected-access
+    zero.Ring.send, zero.Ring.permute = send, permute
 
 
 def _collectives_run(hlo, scan_steps):
@@ -221,7 +221,7 @@ def floor_programs(staged, params, tx, mesh, steps_batch, scan_steps, hlo_of) ->
   """
   programs = {}
   for name, (timetable, messages, no_compute) in FLOORS.items():
-    ex = zero.make_train_step(staged, tx, rule="cdp-v2" if timetable == "cyclic" else "dp",
+    ex = zero.make_executor(staged, tx, rule="cdp-v2" if timetable == "cyclic" else "dp",
                               mesh=mesh, timetable=timetable, scan_steps=scan_steps)
     with contextlib.ExitStack() as replaced:  # The first call traces and compiles.
       if messages:
@@ -272,7 +272,7 @@ def program_figures(executable, state, staged, delays, num_steps, name) -> dict:
   if name == "cyclic":
     sent = plan_bytes_sent_per_step(delays, num_steps, stage_bytes)
     # Collectives run per step: the ring's ppermute rounds (the MLP has no model state).
-    runs = (zero.message_rounds(plan.zero_plan(delays, num_steps)).index > 0).sum() / num_steps
+    runs = (plan.message_rounds(plan.zero_plan(delays, num_steps)).index > 0).sum() / num_steps
   else:  # One step in the program (zero3's scan body, or the engine's step).
     sent = bytes_sent_per_device(hlo, num_workers)
     runs = sum(v["count"] for v in row["collectives"].values())
@@ -300,7 +300,7 @@ def compile_sweep(num_stages_list, args) -> list[dict]:
     _, params, _, staged, batch = residual_mlp(num_stages, 32, 64, num_stages * 8)
     mesh = jax.make_mesh((num_stages,), ("data",))
     for name, rule in (("cyclic", "cdp-v2"), ("zero3", "dp")):
-      ex = zero.make_train_step(staged, tx, rule=rule, mesh=mesh, timetable=name)
+      ex = zero.make_executor(staged, tx, rule=rule, mesh=mesh, timetable=name)
       state = ex.init(params)
       start = time.perf_counter()
       lowered = ex.lower(state, batch)

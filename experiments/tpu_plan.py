@@ -127,7 +127,7 @@ def workload(c, executed: bool):
   import jax  # pylint: disable=g-import-not-at-top
   from cdpjax import aot, analysis, train  # pylint: disable=g-import-not-at-top
   from cdpjax.executed import staged as staged_lib  # pylint: disable=g-import-not-at-top
-  model, sample, batch = aot._model_and_batch(c)  # pylint: disable=protected-access
+  model, sample, batch = aot.model_and_batch(c)
   variables = jax.eval_shape(lambda k: model.init(k, sample, train=False), jax.random.key(0))
   params = variables["params"]
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
@@ -159,11 +159,11 @@ def executed_permutes(strategy: str, c) -> int:
   static (`cdpjax.executed.plan`): GPipe shifts every slot (``2(N+J-1)``),
   the cyclic pipeline swaps neighbours on even and odd slots, the CDP-ZeRO
   ring sends a slot's stage and gradient messages in as few rounds as its
-  busiest worker allows (`cdpjax.executed.zero.message_rounds`; model-state
+  busiest worker allows (`cdpjax.executed.plan.message_rounds`; model-state
   messages left out).
   """
   from cdpjax import schedule  # pylint: disable=g-import-not-at-top
-  from cdpjax.executed import plan as plan_lib, zero  # pylint: disable=g-import-not-at-top
+  from cdpjax.executed import plan as plan_lib  # pylint: disable=g-import-not-at-top
   J, N = c.num_stages, c.num_workers
   if strategy == "gpipe":
     return 2 * (N + J - 1) if J > 1 else 0
@@ -172,7 +172,7 @@ def executed_permutes(strategy: str, c) -> int:
     return sum(bool(plan_lib.swap_pairs(J, slot % 2)) for slot in range(slots))
   if strategy == "cdp+zero":
     ring = plan_lib.zero_plan(schedule.resolve(STRATEGIES[strategy][0], N, J))
-    return int((zero.message_rounds(ring).index != 0).sum())  # Pair list 0 is empty.
+    return int((plan_lib.message_rounds(ring).index != 0).sum())  # Pair list 0 is empty.
   raise ValueError(f"{strategy} is not an executed timetable with permutes.")
 
 

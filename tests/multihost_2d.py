@@ -66,11 +66,11 @@ def run(workdir: str) -> dict:
   model, params, _, stage_ids = ref.model_of(name, num_stages)
   steps = NUM_CALLS * STEPS_PER_CALL
   data = ref.batches(name, replicas * num_stages, num_steps=steps)
-  ex = pipeline.make_train_step(
+  ex = pipeline.make_executor(
       ref.staged_of(name, num_stages), ref.make_tx(name), rule="cdp-v2", scan_steps=STEPS_PER_CALL,
       mesh=jax.make_mesh((replicas, num_stages), ("replica", "stage"), devices=jax.devices()))
   result = _calls(ex, params, data, "pipeline")
-  ex = zero.make_train_step(
+  ex = zero.make_executor(
       ref.staged_of(name, num_stages, pad_to=num_stages), ref.make_tx(name), rule="cdp-v2",
       scan_steps=STEPS_PER_CALL,
       mesh=jax.make_mesh((replicas, num_stages), ("replica", "data"), devices=jax.devices()))

@@ -176,7 +176,7 @@ def test_cdp_mp_pipeline_memory_and_messages(params, stage_ids):
   tx = optax.sgd(0.1, momentum=0.9)
   mesh = jax.make_mesh((J,), ("stage",), devices=jax.devices()[:J])
   staged = _staged(params, stage_ids)
-  ex = pipeline.make_train_step(staged, tx, rule="cdp-v2", mesh=mesh)
+  ex = pipeline.make_executor(staged, tx, rule="cdp-v2", mesh=mesh)
   program = ex.lower(ex.init(params), _batch(N)).compile()
   # Every stage is one flat buffer padded to the largest (staged.param_size): that is P_j
   # here. The activation buffer is padded to the largest boundary.
@@ -205,7 +205,7 @@ def test_zero_memory_and_traffic(params, stage_ids, timetable):
   rule = "cdp-v2" if timetable == "cyclic" else "dp"
   mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
   staged = _staged(params, stage_ids, pad_to=N)
-  ex = zero.make_train_step(staged, tx, rule=rule, mesh=mesh)
+  ex = zero.make_executor(staged, tx, rule=rule, mesh=mesh)
   assert ex.plan.timetable == timetable
   program = ex.lower(ex.init(params), _batch(N)).compile()
   stage_bytes = 4 * staged.param_size  # Every stage is one padded flat buffer.
@@ -224,7 +224,7 @@ def test_zero_memory_and_traffic(params, stage_ids, timetable):
     (ring,) = predicted.communication
     assert moved / ring.total_bytes == 1.0  # 3(N-1) stage messages per stage.
     # Per step, a permute runs on every device for each round of a slot's messages.
-    sends = (zero.message_rounds(plan.zero_plan(ex.plan.delays)).index != 0).sum()
+    sends = (plan.message_rounds(plan.zero_plan(ex.plan.delays)).index != 0).sum()
     per_step = compiled.collectives_per_step(compiled.hlo_text(program))["collective-permute"]
     assert per_step["bytes_min"] == per_step["bytes_max"] == sends * stage_bytes
   else:
@@ -293,7 +293,7 @@ def test_replicated_zero3_all_reduces_each_shard_over_the_replicas(params, stage
   """The compiled replica all-reduce, per step, is the cost model's."""
   mesh = jax.make_mesh((2, N), ("replica", "data"))
   staged = _staged(params, stage_ids, pad_to=N)
-  ex = zero.make_train_step(staged, optax.sgd(0.1), rule="dp", mesh=mesh)
+  ex = zero.make_executor(staged, optax.sgd(0.1), rule="dp", mesh=mesh)
   program = ex.lower(ex.init(params), _batch(2 * N)).compile()
   w = analysis.workload(J * 4 * staged.param_size, 1.0, J)
   reduce = analysis.cost("zero-3", N, w, replicas=2).communication[-1]

@@ -33,7 +33,7 @@ def executor_of(name, rule, num_stages, timetable=None, scan_steps=STEPS_PER_CAL
     mesh = jax.make_mesh((replicas, num_stages), ("replica", "stage"))
   else:
     mesh = jax.make_mesh((num_stages,), ("stage",))
-  return pipeline.make_train_step(ref.staged_of(name, num_stages), ref.make_tx(name), rule=rule,
+  return pipeline.make_executor(ref.staged_of(name, num_stages), ref.make_tx(name), rule=rule,
                                   mesh=mesh, timetable=timetable, scan_steps=scan_steps)
 
 
@@ -180,7 +180,7 @@ def wide_compiled(timetable, model_name="residual_mlp", num_stages=2):
   stage_ids = stages.model_stage_ids(model, params, num_stages, sample, by="boundaries",
                                      boundaries=[f"block_{s}" for s in range(1, num_stages)])
   staged = staged_lib.stage_model(model, params, stage_ids, sample)
-  ex = pipeline.make_train_step(staged, ref.make_tx("residual_mlp"),
+  ex = pipeline.make_executor(staged, ref.make_tx("residual_mlp"),
                                 rule="cdp-v2" if timetable == "cyclic" else "dp",
                                 mesh=jax.make_mesh((num_stages,), ("stage",)), timetable=timetable)
   return ex.lower(ex.init(params), batch).compile(), 4 * staged.param_size
@@ -239,7 +239,7 @@ class TestBadInput:
   def make(self, **kw):
     args = dict(rule="cdp-v2", mesh=jax.make_mesh((2,), ("stage",)))
     args.update(kw)
-    return pipeline.make_train_step(ref.staged_of("residual_mlp", 2), ref.make_tx("residual_mlp"),
+    return pipeline.make_executor(ref.staged_of("residual_mlp", 2), ref.make_tx("residual_mlp"),
                                     **args)
 
   def test_num_micro_batches_must_equal_stages(self):

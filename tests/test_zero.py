@@ -29,7 +29,7 @@ def mesh_of(n, replicas=None):
 
 @functools.cache
 def executor_of(name, rule, num_workers, timetable=None, scan_steps=None, replicas=None):
-  return zero.make_train_step(ref.staged_of(name, num_workers, pad_to=num_workers),
+  return zero.make_executor(ref.staged_of(name, num_workers, pad_to=num_workers),
                               ref.make_tx(name), rule=rule, mesh=mesh_of(num_workers, replicas),
                               timetable=timetable, scan_steps=scan_steps)
 
@@ -114,7 +114,7 @@ def test_replicated_ring_adds_one_all_reduce_over_replicas():
 def test_messages_share_rounds_one_collective_permute_per_round_and_pair_list():
   """Stage and gradient messages share ppermute rounds: the loop body holds one
   collective-permute per round and pair list (the replicated ring's fixture)."""
-  rounds = zero.message_rounds(plan.zero_plan(schedule.delay_matrix("cdp-v2", 4, 4), 2))
+  rounds = plan.message_rounds(plan.zero_plan(schedule.delay_matrix("cdp-v2", 4, 4), 2))
   hlo = hlo_for(4, "cdp-v2", 2, replicas=2)
   found = [c for c in compiled.collectives(hlo) if c.kind == "collective-permute"]
   assert len(found) == sum(len(lists) - 1 for lists in rounds.pair_lists) == 20
@@ -126,7 +126,7 @@ def test_rounds_deliver_every_message_in_the_fewest_collectives(num_workers):
   """Per slot, as many rounds as the busiest worker's messages (Koenig's bound), each message
   in the round its receiver reads; fewer collective-permutes than one per route."""
   zero_plan = plan.zero_plan(schedule.delay_matrix("cdp-v2", num_workers, num_workers), 3)
-  rounds = zero.message_rounds(zero_plan)
+  rounds = plan.message_rounds(zero_plan)
   per_route = 0
   for slot in range(zero_plan.num_slots):
     sent = [t for t in zero_plan.transfers if t.slot == slot and t.kind != "state"]
@@ -137,7 +137,7 @@ def test_rounds_deliver_every_message_in_the_fewest_collectives(num_workers):
     for t in sent:
       r = rounds.received[t.kind][slot, t.dst]
       assert (t.src, t.dst) in rounds.pair_lists[r][rounds.index[r, slot]]
-      assert zero.MESSAGES[rounds.sent[r, slot, t.src] - 1] == (t.kind, t.route)
+      assert plan.MESSAGES[rounds.sent[r, slot, t.src] - 1] == (t.kind, t.route)
   assert (rounds.index > 0).sum() < 0.8 * per_route
 
 
@@ -209,26 +209,26 @@ class TestBadInput:
 
   def test_stages_must_equal_workers(self):
     with pytest.raises(ValueError, match="cut into 2 stages for 4 workers"):
-      zero.make_train_step(ref.staged_of("residual_mlp", 2), ref.make_tx("residual_mlp"),
+      zero.make_executor(ref.staged_of("residual_mlp", 2), ref.make_tx("residual_mlp"),
                            rule="cdp-v2", mesh=mesh_of(4))
 
   def test_padding_must_split_over_workers(self):
     staged = ref.staged_of("residual_mlp", 2)
     odd = dataclasses.replace(staged, param_size=2 * staged.param_size + 1)
     with pytest.raises(ValueError, match="pad_to=2"):
-      zero.make_train_step(odd, ref.make_tx("residual_mlp"), rule="cdp-v2", mesh=mesh_of(2))
+      zero.make_executor(odd, ref.make_tx("residual_mlp"), rule="cdp-v2", mesh=mesh_of(2))
 
   def test_delay_matrix_shape_and_unknown_names(self):
     staged = ref.staged_of("residual_mlp", 2, pad_to=2)
     tx = ref.make_tx("residual_mlp")
     with pytest.raises(ValueError, match=r"needs \(N, J\) = \(2, 2\).*engine"):
-      zero.make_train_step(staged, tx, rule=np.ones((2, 3), int), mesh=mesh_of(2))
+      zero.make_executor(staged, tx, rule=np.ones((2, 3), int), mesh=mesh_of(2))
     with pytest.raises(ValueError, match="Unknown timetable 'gpipe'"):
-      zero.make_train_step(staged, tx, rule="cdp-v2", mesh=mesh_of(2), timetable="gpipe")
+      zero.make_executor(staged, tx, rule="cdp-v2", mesh=mesh_of(2), timetable="gpipe")
     with pytest.raises(ValueError, match="Unknown rule"):
-      zero.make_train_step(staged, tx, rule="cdp-v9", mesh=mesh_of(2))
+      zero.make_executor(staged, tx, rule="cdp-v9", mesh=mesh_of(2))
     with pytest.raises(ValueError, match="has axes \\('stage',\\).*'replica', 'data'"):
-      zero.make_train_step(staged, tx, rule="cdp-v2", mesh=jax.make_mesh((2,), ("stage",)))
+      zero.make_executor(staged, tx, rule="cdp-v2", mesh=jax.make_mesh((2,), ("stage",)))
 
   def test_batch_not_divisible_and_state_rule_mismatch(self):
     ex = executor_of("residual_mlp", "cdp-v2", 2)
@@ -240,7 +240,7 @@ class TestBadInput:
     with pytest.raises(ValueError, match=r"scan_steps=2 batch leaves need shape \[2, "):
       scanned.step(state, ref.step_batch(ref.batches("residual_mlp", 2, num_steps=1), 0))
     with pytest.raises(ValueError, match="scan_steps must be a positive int"):
-      zero.make_train_step(ref.staged_of("residual_mlp", 2, pad_to=2), ref.make_tx("residual_mlp"),
+      zero.make_executor(ref.staged_of("residual_mlp", 2, pad_to=2), ref.make_tx("residual_mlp"),
                            rule="cdp-v2", mesh=mesh_of(2), scan_steps=0)
     dp = executor_of("residual_mlp", "dp", 2)
     good = ref.step_batch(ref.batches("residual_mlp", 2, num_steps=1), 0)
@@ -273,7 +273,7 @@ def test_benchmark_quick_writes_json(tmp_path):
   # Differences of the timed programs: each timetable's parts add up to its step time.
   assert sum(split["zero3"].values()) == pytest.approx(1.0)
   assert sum(split["cyclic"].values()) == pytest.approx(goals["step_time_vs_zero3"])
-  assert (zero._Ring.send.__qualname__, zero._Ring.permute.__qualname__) == (
-      "_Ring.send", "_Ring.permute")
+  assert (zero.Ring.send.__qualname__, zero.Ring.permute.__qualname__) == (
+      "Ring.send", "Ring.permute")
   assert (staged_lib.StagedModel.apply.__qualname__, staged_lib.StagedModel.vjp.__qualname__) == (
       "StagedModel.apply", "StagedModel.vjp")

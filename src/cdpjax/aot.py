@@ -95,7 +95,7 @@ def topology_devices(topology: str) -> list:
   return list(description.devices)
 
 
-def _model_and_batch(c):
+def model_and_batch(c):
   """The model, a one-row sample input and the abstract global batch of config ``c``."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -139,7 +139,7 @@ def build(c, devices):
                      f"devices (parallelism={c.parallelism!r}); the topology has {len(devices)} "
                      "chips. Use a larger topology, or fewer workers or replicas.")
   mesh = train.make_mesh(c, devices)
-  model, sample, batch = _model_and_batch(c)
+  model, sample, batch = model_and_batch(c)
   variables = jax.eval_shape(lambda k: model.init(k, sample, train=False), jax.random.key(0))
   params = variables["params"]
   model_state = {k: v for k, v in variables.items() if k != "params"} or None

@@ -325,7 +325,7 @@ class TrainStep:
   _host_step: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
   _returned: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
-  def _is_returned(self, state) -> bool:
+  def is_returned(self, state) -> bool:
     """Whether ``state`` holds exactly the arrays of the state this step last returned."""
     refs = self._returned.get("refs")
     if refs is None:
@@ -360,7 +360,7 @@ class TrainStep:
     return delays.astype(np.int32)
 
   def __call__(self, state, batch, delays=None, *, norms=True):
-    placed = self._is_returned(state)
+    placed = self.is_returned(state)
     if self.rule is None:
       if delays is not None:
         raise ValueError("This step's delays are fixed; pass delays only with a schedule.DelayRule.")

@@ -65,7 +65,7 @@ def pipeline_executor(model, tx, *, params, model_state, stage_ids, sample_input
                       **_) -> executor_lib.Executor:
   """The executed pipeline (``cdpjax.executed.pipeline``) of ``model`` cut at ``stage_ids``."""
   staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn)
-  return pipeline.make_train_step(staged, tx, rule=rule, mesh=mesh, scan_steps=scan_steps)
+  return pipeline.make_executor(staged, tx, rule=rule, mesh=mesh, scan_steps=scan_steps)
 
 
 def zero_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
@@ -74,7 +74,7 @@ def zero_executor(model, tx, *, params, model_state, stage_ids, sample_input, ru
   """Executed CDP-ZeRO or ZeRO-3 (``cdpjax.executed.zero``) of ``model`` cut at ``stage_ids``."""
   staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn,
                    pad_to=int(mesh.shape["data"]))
-  return zero.make_train_step(staged, tx, rule=rule, mesh=mesh,
+  return zero.make_executor(staged, tx, rule=rule, mesh=mesh,
                               scan_steps=scan_steps)
 
 

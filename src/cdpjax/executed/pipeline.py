@@ -436,7 +436,7 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
   return body
 
 
-def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, rule, mesh: Mesh,
+def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule, mesh: Mesh,
                     timetable: str | None = None, scan_steps: int | None = None,
                     num_micro_batches: int | None = None,
                     donate: bool = True) -> executor_lib.Executor:

@@ -10,7 +10,8 @@ and the tests read one plan.
   counts a call's idle device-slots.
 - ZeRO (mesh axis ``data``): ``zero_plan`` gives each worker's event, the
   source of its stage buffer and every point-to-point message of a ``K``-step
-  cyclic call; ``slot_traffic`` counts their bytes.
+  cyclic call; ``message_rounds`` groups the messages of each slot into as few
+  ``ppermute`` rounds as its busiest worker allows; ``slot_traffic`` counts their bytes.
 """
 from __future__ import annotations
 
@@ -321,6 +322,99 @@ def zero_plan(delays, num_steps: int = 1) -> ZeroPlan:
             transfers.append(Transfer(s + 1, "grad", last, o, j, "final", 0))
           tab["update"][s + 1, o], tab["update_step"][s + 1, o] = 1, t
   return ZeroPlan(**tab, transfers=sorted(transfers))
+
+
+MESSAGES = ROUTES[:4]  # The stage and gradient routes, which share ppermute rounds.
+PARAM_RING, PARAM_OWNER, GRAD_RING, GRAD_FINAL = 1, 2, 3, 4  # 1 + their index in MESSAGES.
+
+
+class MessageRounds(NamedTuple):
+  """The stage and gradient messages of a call as ``ppermute`` rounds.
+
+  Per slot, the messages of a round have distinct sources and targets, so one
+  collective-permute carries them; a stage buffer and a gradient share a
+  round where their pairs allow (both are ``Q = P + M`` elements).
+
+  Attributes:
+    index: ``[R, S]``, which of ``pair_lists[r]`` round ``r`` uses at each slot (0: none).
+    pair_lists: per round, the distinct pair lists; list 0 is empty.
+    sent: ``[R, S, N]``, the message (1 + its index in ``MESSAGES``) a worker sends in a
+      round, 0 for none.
+    received: ``{kind: [S, N]}``, the round in which a worker receives its message of
+      ``kind`` (0 where it receives none).
+  """
+  index: np.ndarray
+  pair_lists: list
+  sent: np.ndarray
+  received: dict
+
+
+def _edge_colours(edges: list[tuple[int, int]]) -> list[int]:
+  """Colours of the edges ``(src, dst)`` of a bipartite multigraph, as many as its largest degree.
+
+  Koenig's theorem, by the textbook alternating-path swap (a few edges per slot:
+  no library needed).
+  """
+  ends = [(("src", s), ("dst", d)) for s, d in edges]
+  degree = defaultdict(int)
+  for u, v in ends:
+    degree[u] += 1
+    degree[v] += 1
+  at = defaultdict(dict)  # node -> {colour: edge}
+  colour = [0] * len(edges)
+  free = lambda node: next(c for c in range(max(degree.values())) if c not in at[node])
+  for e, (u, v) in enumerate(ends):
+    a, b = free(u), free(v)
+    if a in at[v]:  # Swap a and b along the path from v alternating a, b: it cannot reach u.
+      path, node, c = [], v, a
+      while c in at[node]:
+        f = at[node][c]
+        path.append(f)
+        node = ends[f][0] if node == ends[f][1] else ends[f][1]
+        c = b if c == a else a
+      for f in path:
+        for n in ends[f]:
+          del at[n][colour[f]]
+      for f in path:
+        colour[f] = b if colour[f] == a else a
+        for n in ends[f]:
+          at[n][colour[f]] = f
+    colour[e] = a
+    at[u][a] = at[v][a] = e
+  return colour
+
+
+def message_rounds(plan: ZeroPlan) -> MessageRounds:
+  """The fewest rounds per slot for the call's stage and gradient messages.
+
+  One collective-permute per round instead of one per route: each runs on every
+  device, and a device that receives nothing still writes a buffer of zeros.
+  """
+  num_slots, num_workers = plan.kind.shape
+  by_slot = defaultdict(list)
+  for t in plan.transfers:
+    if (t.kind, t.route) in MESSAGES:
+      by_slot[t.slot].append(t)
+  colours = {slot: _edge_colours([(t.src, t.dst) for t in ts]) for slot, ts in by_slot.items()}
+  num_rounds = 1 + max((max(c) for c in colours.values()), default=0)
+  index = np.zeros((num_rounds, num_slots), np.int32)
+  sent = np.zeros((num_rounds, num_slots, num_workers), np.int32)
+  received = {k: np.zeros((num_slots, num_workers), np.int32) for k in ("param", "grad")}
+  pair_lists = [[()] for _ in range(num_rounds)]
+  for slot, transfers in by_slot.items():
+    for r in range(num_rounds):
+      pairs = tuple(sorted((t.src, t.dst) for t, c in zip(transfers, colours[slot]) if c == r))
+      if not pairs:
+        continue
+      if pairs not in pair_lists[r]:
+        pair_lists[r].append(pairs)
+      index[r, slot] = pair_lists[r].index(pairs)
+    for t, r in zip(transfers, colours[slot]):
+      # Messages go out before the slot's update: an owner sends no version as it updates.
+      assert not (t.route == "owner" and plan.update[slot, t.src]), t
+      sent[r, slot, t.src] = 1 + MESSAGES.index((t.kind, t.route))
+      received[t.kind][slot, t.dst] = r
+  return MessageRounds(index, [[list(p) for p in lists] for lists in pair_lists], sent, received)
 
 
 def cyclic_transfers(delays, num_steps: int = 1) -> list[Transfer]:

@@ -11,7 +11,7 @@ from slot ``2Jt + 2i``: the forward of stage ``j`` at phase ``j``, its backward
 at phase ``2J-1-j`` (DESIGN.md section 1), with no flush between steps. One
 call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
 `plan.zero_plan`. A slot's stage and gradient messages travel in as few
-``lax.ppermute`` rounds as its busiest worker allows (`message_rounds`: an edge
+``lax.ppermute`` rounds as its busiest worker allows (`plan.message_rounds`: an edge
 colouring per slot; a ``lax.switch`` over each round's distinct pair lists),
 since every collective-permute costs every device a barrier and a buffer
 written, whether or not it receives:
@@ -57,7 +57,6 @@ such as ``clip_by_global_norm``, would need an all-reduce.
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from typing import Any, NamedTuple
 
 import jax
@@ -203,100 +202,7 @@ class _Carry(NamedTuple):
   stats_3xK: Any     # Per step: the loss, the owned stage's squared gradient and parameter norms.
 
 
-MESSAGES = (("param", "ring"), ("param", "owner"), ("grad", "ring"), ("grad", "final"))
-PARAM_RING, PARAM_OWNER, GRAD_RING, GRAD_FINAL = 1, 2, 3, 4  # 1 + their index in MESSAGES.
-
-
-class MessageRounds(NamedTuple):
-  """The stage and gradient messages of a call as ``ppermute`` rounds.
-
-  Per slot, the messages of a round have distinct sources and targets, so one
-  collective-permute carries them; a stage buffer and a gradient share a
-  round where their pairs allow (both are ``Q = P + M`` elements).
-
-  Attributes:
-    index: ``[R, S]``, which of ``pair_lists[r]`` round ``r`` uses at each slot (0: none).
-    pair_lists: per round, the distinct pair lists; list 0 is empty.
-    sent: ``[R, S, N]``, the message (1 + its index in ``MESSAGES``) a worker sends in a
-      round, 0 for none.
-    received: ``{kind: [S, N]}``, the round in which a worker receives its message of
-      ``kind`` (0 where it receives none).
-  """
-  index: np.ndarray
-  pair_lists: list
-  sent: np.ndarray
-  received: dict
-
-
-def _edge_colours(edges: list[tuple[int, int]]) -> list[int]:
-  """Colours of the edges ``(src, dst)`` of a bipartite multigraph, as many as its largest degree.
-
-  Koenig's theorem, by the textbook alternating-path swap (a few edges per slot:
-  no library needed).
-  """
-  ends = [(("src", s), ("dst", d)) for s, d in edges]
-  degree = defaultdict(int)
-  for u, v in ends:
-    degree[u] += 1
-    degree[v] += 1
-  at = defaultdict(dict)  # node -> {colour: edge}
-  colour = [0] * len(edges)
-  free = lambda node: next(c for c in range(max(degree.values())) if c not in at[node])
-  for e, (u, v) in enumerate(ends):
-    a, b = free(u), free(v)
-    if a in at[v]:  # Swap a and b along the path from v alternating a, b: it cannot reach u.
-      path, node, c = [], v, a
-      while c in at[node]:
-        f = at[node][c]
-        path.append(f)
-        node = ends[f][0] if node == ends[f][1] else ends[f][1]
-        c = b if c == a else a
-      for f in path:
-        for n in ends[f]:
-          del at[n][colour[f]]
-      for f in path:
-        colour[f] = b if colour[f] == a else a
-        for n in ends[f]:
-          at[n][colour[f]] = f
-    colour[e] = a
-    at[u][a] = at[v][a] = e
-  return colour
-
-
-def message_rounds(plan: plan_lib.ZeroPlan) -> MessageRounds:
-  """The fewest rounds per slot for the call's stage and gradient messages.
-
-  One collective-permute per round instead of one per route: each runs on every
-  device, and a device that receives nothing still writes a buffer of zeros.
-  """
-  num_slots, num_workers = plan.kind.shape
-  by_slot = defaultdict(list)
-  for t in plan.transfers:
-    if (t.kind, t.route) in MESSAGES:
-      by_slot[t.slot].append(t)
-  colours = {slot: _edge_colours([(t.src, t.dst) for t in ts]) for slot, ts in by_slot.items()}
-  num_rounds = 1 + max((max(c) for c in colours.values()), default=0)
-  index = np.zeros((num_rounds, num_slots), np.int32)
-  sent = np.zeros((num_rounds, num_slots, num_workers), np.int32)
-  received = {k: np.zeros((num_slots, num_workers), np.int32) for k in ("param", "grad")}
-  pair_lists = [[()] for _ in range(num_rounds)]
-  for slot, transfers in by_slot.items():
-    for r in range(num_rounds):
-      pairs = tuple(sorted((t.src, t.dst) for t, c in zip(transfers, colours[slot]) if c == r))
-      if not pairs:
-        continue
-      if pairs not in pair_lists[r]:
-        pair_lists[r].append(pairs)
-      index[r, slot] = pair_lists[r].index(pairs)
-    for t, r in zip(transfers, colours[slot]):
-      # Messages go out before the slot's update: an owner sends no version as it updates.
-      assert not (t.route == "owner" and plan.update[slot, t.src]), t
-      sent[r, slot, t.src] = 1 + MESSAGES.index((t.kind, t.route))
-      received[t.kind][slot, t.dst] = r
-  return MessageRounds(index, [[list(p) for p in lists] for lists in pair_lists], sent, received)
-
-
-class _Ring(NamedTuple):
+class Ring(NamedTuple):
   """Static facts of the cyclic ring on one mesh."""
   num_workers: int
   size_p: int
@@ -314,7 +220,7 @@ class _Ring(NamedTuple):
     """Typed for the carry: the owned stage is the same on every replica, the rest is not."""
     return vary(tree, (AXIS,) if state else self.axes)
 
-  def send(self, rounds: MessageRounds, slot, me, make, *operands):
+  def send(self, rounds: plan_lib.MessageRounds, slot, me, make, *operands):
     """The rounds of messages at ``slot``: the buffer each round delivered here (zeros if none).
 
     ``make(message, *operands)`` is the buffer a worker sends (``message`` as in ``sent``).
@@ -353,7 +259,7 @@ class _Ring(NamedTuple):
     return jax.lax.ppermute(buffer, AXIS, pairs)
 
 
-def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
+def _update(ring: Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
   """The owner's optimizer step on its stage, with the chains' sum (and the replicas')."""
   acc = staged_block(carry.grads_3Q, 2, final_Q.shape[0]) + final_Q
   if ring.num_replicas > 1:
@@ -373,7 +279,7 @@ def _update(ring: _Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
       stats_3xK=stats)
 
 
-def _branches(staged: StagedModel, ring: _Ring):
+def _branches(staged: StagedModel, ring: Ring):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
   Operands ``(carry, event, buf_P, state_2M, me, x, labels)``; results
@@ -416,7 +322,7 @@ def _branches(staged: StagedModel, ring: _Ring):
 def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_replicas: int):
   """The per-worker ``K``-step cyclic body for ``shard_map``: a ``lax.scan`` over the plan's slots."""
   plan = plan_lib.zero_plan(delays, num_steps)
-  ring = _Ring(staged.num_stages, staged.param_size, staged.state_size, tuple(axes),
+  ring = Ring(staged.num_stages, staged.param_size, staged.state_size, tuple(axes),
                num_replicas, plan)
   tables = {k: getattr(plan, k) for k in ("kind", "stage", "step", "version", "source", "update",
                                           "update_step", "grad_chain", "grad_end", "state_ring")}
@@ -427,7 +333,7 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
   if 3 * ring.size_q >= 2**31:
     raise ValueError(f"Stages of {ring.size_q} elements are too large for the ring's int32 "
                      "offsets (3 of them in one buffer): cut the model into more stages.")
-  rounds = message_rounds(plan)
+  rounds = plan_lib.message_rounds(plan)
 
   def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
@@ -436,11 +342,12 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
 
     def message(m, used, grads):
       """Sent on: a ring's stage buffer or chain partial sum of 2 slots ago, an owner's version
-      and model state (never in the slot of its update: `message_rounds`), worker N-1's tail-chain
-      sum of 1 slot ago."""
-      stage = jnp.where(m == PARAM_OWNER, own(c, ev["send_version"]), used[parity])
-      grad = staged_block(grads, jnp.where(m == GRAD_FINAL, 1 - parity, parity), ring.size_q)
-      return jnp.where(m <= PARAM_OWNER, jnp.concatenate([stage, ring.vary(c.model_state_M)]),
+      and model state (never in the slot of its update: `plan.message_rounds`), worker N-1's
+      tail-chain sum of 1 slot ago."""
+      param_owner, grad_final = plan_lib.PARAM_OWNER, plan_lib.GRAD_FINAL
+      stage = jnp.where(m == param_owner, own(c, ev["send_version"]), used[parity])
+      grad = staged_block(grads, jnp.where(m == grad_final, 1 - parity, parity), ring.size_q)
+      return jnp.where(m <= param_owner, jnp.concatenate([stage, ring.vary(c.model_state_M)]),
                        grad)
     out = ring.send(rounds, slot, me, message, c.used_2xP, c.grads_3Q)
     pick = lambda kind: functools.reduce(
@@ -596,7 +503,7 @@ def _zero3_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repli
   return body
 
 
-def make_train_step(staged: StagedModel, tx: optax.GradientTransformation, *, rule,
+def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule,
                     mesh: Mesh, timetable: str | None = None, scan_steps: int | None = None,
                     donate: bool = True) -> executor_lib.Executor:
   """CDP-ZeRO (``cyclic``) or ZeRO-3 (``zero3``) of ``staged`` behind the executor contract.
