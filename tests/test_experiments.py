@@ -225,3 +225,27 @@ def test_bench_overlap_quick(tmp_path):
     assert len(row["compute_after"]) == row["compiled_all_reduces"]
     assert all(0 <= n <= row["compute_instructions"] for n in row["compute_after"])
   assert {r["combiner"] for r in result["rows"]} == {"on", "off"}
+
+
+def test_lm_sweep(tmp_path):
+  sweep = _script("lm_sweep")
+  result = sweep.main(["--quick", "--task", "lm", "--results_dir", str(tmp_path)])
+  saved = json.loads((tmp_path / "lm_sweep.json").read_text())
+  (lrs, (warmup,), _), = sweep.QUICK_GRIDS["lm"].values()
+  assert saved["finished_runs"] == saved["planned_runs"] == len(lrs) * len(sweep.QUICK_RULES)
+  table = saved["tasks"]["lm"]["optimizers"]["adamw"]
+  assert set(table) == set(sweep.QUICK_RULES) and result["tasks"] == saved["tasks"]
+  for rule, best in table.items():
+    assert [g["learning_rate"] for g in best["grid"]] == list(lrs)  # Every grid point, once.
+    finite = [g["final_bits_per_byte"] for g in best["grid"] if not g["diverged"]]
+    assert finite and all(0 < v < 9 for v in finite)
+    assert best["mean"] == min(finite) and best["n"] == 1 and best["warmup_fraction"] == warmup
+    name = sweep.run_name("lm", "adamw", rule, best["learning_rate"], warmup, 0)
+    run = json.loads((tmp_path / "runs" / f"{name}.json").read_text())
+    assert run["steps"] == 4 and run["curve"]["values"][-1] == best["mean"]
+  assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
+  # A rerun trains nothing: every run's JSON is there.
+  mtimes = {p.name: p.stat().st_mtime for p in (tmp_path / "runs").iterdir()}
+  assert sweep.main(["--quick", "--task", "lm", "--results_dir", str(tmp_path)])["tasks"] == \
+      saved["tasks"]
+  assert {p.name: p.stat().st_mtime for p in (tmp_path / "runs").iterdir()} == mtimes
