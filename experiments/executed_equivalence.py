@@ -16,17 +16,16 @@ The goals (issue "The executed stage backward drops a gradient"): losses
 within 1e-5, leaves within 1e-4. Results go to
 ``<results_dir>/executed_equivalence.json``.
 
-What limits dp here is the model, not a schedule (measured 2026-12-04, every
-train step compiled without XLA:CPU's YNN fusion): the parameters after
-step 1 agree within 8.5e-7 of each leaf's scale, but the step-2 gradient
-jumps between them (measured, its cause not located): the staged backward
-of ``tests/test_staged_grads.py`` gives a gradient norm of 21.091278 at the
-engine's ``theta_1`` and 21.086927 at the executed pipeline's, on the same
-micro-batches. A float64 run of the same dp steps gives 21.091204, and the
-engine's other programs (2 devices a worker; YNN fusion on) 21.091236 and
-21.091204; the step-3 losses are 2.575928 (float64), 2.575947 (engine) and
-2.574641 (model and zero). The cdp rules, whose step-2 gradients read
-``theta_0`` on their delayed stages, agree within 4e-7.
+What limits dp here is the model, not a schedule: the loss has a kink within
+float32 rounding of ``theta_1`` (``python experiments/gradient_kink.py``,
+2026-12-04). The dp step-2 gradient norm is 21.09127 at both runs' ``theta_1``
+(which agree within 8.5e-7 of each leaf's scale), and 21.08693 at ``theta_1``
+plus noise of 1e-7 of each leaf's scale, in all three draws and in float64 as
+in float32 (a jump of 2.1e-4). Two correct programs whose ``theta_1`` differ
+by rounding can so take step-2 gradients 2e-4 apart: the executed runs'
+step-3 losses are 2.574641 against the engine's 2.575947 (float64 2.575928).
+The cdp rules, whose step-2 gradients read ``theta_0`` on their delayed
+stages, agree within 4e-7.
 """
 from __future__ import annotations
 

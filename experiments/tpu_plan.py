@@ -20,8 +20,9 @@ pod run would.
 Each compiled point is cached as JSON in ``--results_dir/points`` and is not
 compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead. A
 last check compiles one ``lax.psum_scatter`` per operand shape for v5e:2x4
-(`reduce_scatter_lowering`): the TPU compiler turns that of a flat buffer
-into an all-reduce, which the predictions follow (`tpu_result_bytes`).
+(`reduce_scatter_lowering`): the TPU compiler turns that of a flat buffer, or
+of fewer than 16 rows of 128 a chip, into an all-reduce; ZeRO-3 pads its
+shards to whole tiles (`cdpjax.executed.zero.pad_to`) so that it keeps them.
 
 The largest transformer each strategy fits on v5e and v5p comes from the cost
 model (a line in the layer count); one of them, CDP+MP on v5e:16x16
@@ -114,7 +115,15 @@ def stage_residual_bytes(staged, x_spec, labels_spec) -> float:
   return max(0.0, max(backward_of(j) for j in range(staged.num_stages)) - buffer_bytes)
 
 
-def workload(c, executed: bool):
+def stage_pad(strategy: str, c) -> int:
+  """The multiple the launcher pads a strategy's stage buffers to (`cdpjax.executed.zero.pad_to`:
+  ZeRO-3's shards are whole TPU tiles)."""
+  from cdpjax.executed import zero  # pylint: disable=g-import-not-at-top
+  timetable = {"zero-3": "zero3", "cdp+zero": "cyclic"}.get(strategy)
+  return zero.pad_to(c.num_workers, timetable) if timetable else 1
+
+
+def workload(c, executed: bool, pad_to: int = 1):
   """The cost model's ``Workload`` of config ``c``, as the compiled program lays it out.
 
   The executed timetables keep every stage in a flat float32 buffer padded to
@@ -132,7 +141,7 @@ def workload(c, executed: bool):
   params = variables["params"]
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
   staged = staged_lib.stage_model(model, params, train.model_stage_ids(c, model, params, sample),
-                                  sample, model_state=model_state)
+                                  sample, model_state=model_state, pad_to=pad_to)
   b = c.per_worker_batch_size
   rows = {k: jax.ShapeDtypeStruct((b, *v.shape[1:]), v.dtype) for k, v in batch.items()}
   x_spec = rows["image"]
@@ -210,20 +219,14 @@ def reduce_scatter_lowering(topology: str = "v5e:2x4") -> list[dict]:
 def tpu_result_bytes(strategy: str, c, w, comm) -> float:
   """Result bytes per step of one ``analysis.Communication``, as the compiled TPU program has them.
 
-  Two ways in which the compiled program moves other bytes than the
-  algorithm's messages, which the cost model counts:
-
-  - The TPU compiler lowers the reduce-scatter of a flat (1-D) buffer, ZeRO-3's
-    stage gradients, to an all-reduce of the whole buffer (each worker then
-    slices its shard), so its result is ``group`` shards. Checked on v5e:2x4
-    with ``lax.psum_scatter(tiled=True)`` of an ``f32[n]`` (BENCHMARKS.md,
-    pod plan section).
-  - The executed timetables' permutes run at every slot whose pair list is not
-    empty, on every chip (`executed_permutes`), each of one padded boundary
-    (pipelines) or one padded stage buffer (CDP-ZeRO).
+  The executed timetables' permutes run at every slot whose pair list is not
+  empty, on every chip (`executed_permutes`), each of one padded boundary
+  (pipelines) or one padded stage buffer (CDP-ZeRO): the compiled program's
+  result bytes exceed the algorithm's messages, which the cost model counts.
+  ZeRO-3's all-gathers and reduce-scatters are as the cost model has them: the
+  launcher pads its shards to whole TPU tiles (`stage_pad`), which the TPU
+  compiler keeps as such (`reduce_scatter_lowering`).
   """
-  if comm.kind == "reduce-scatter":
-    return comm.payload_bytes * comm.group
   if comm.kind == "p2p":
     message = max(w.boundary_bytes) if comm.what == "activations" else max(w.stage_param_bytes)
     return executed_permutes(strategy, c) * message
@@ -239,7 +242,7 @@ def predicted(strategy: str, c, w=None) -> dict:
   """
   from cdpjax import analysis  # pylint: disable=g-import-not-at-top
   executed = STRATEGIES[strategy][1] != "data"
-  w = w or workload(c, executed=executed)
+  w = w or workload(c, executed=executed, pad_to=stage_pad(strategy, c))
   cost = analysis.cost(strategy, c.num_workers, w, replicas=c.num_replicas if executed else 1)
   m = cost.per_device
   return {"peak_bytes": m.peak, "params_bytes": m.params, "grads_bytes": m.grads,
@@ -402,11 +405,10 @@ def main(argv=None):
       if compiled is None:
         missing.append(f"{name} {strategy} {topology}")
         continue
-      executed = STRATEGIES[strategy][1] != "data"  # The same workload for every rule.
-      if (name, executed) not in workloads:
-        workloads[name, executed] = workload(c, executed)
-      rows.append(row(name, strategy, topology, compiled,
-                      predicted(strategy, c, workloads[name, executed])))
+      key = (name, STRATEGIES[strategy][1] != "data", stage_pad(strategy, c))
+      if key not in workloads:
+        workloads[key] = workload(c, *key[1:])
+      rows.append(row(name, strategy, topology, compiled, predicted(strategy, c, workloads[key])))
       print(f"{name} {strategy} {topology}: compiled", flush=True)
   lowering = reduce_scatter_lowering()
   result = {"rows": rows, "largest_transformer": largest, "largest_checked": checked,

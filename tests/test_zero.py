@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from cdpjax import compiled, engine, schedule
+from cdpjax import compiled, engine, executor, schedule
 from cdpjax.executed import plan, zero
 from cdpjax.executed import staged as staged_lib
 
@@ -28,10 +28,14 @@ def mesh_of(n, replicas=None):
 
 
 @functools.cache
-def executor_of(name, rule, num_workers, timetable=None, scan_steps=None, replicas=None):
-  return zero.make_executor(ref.staged_of(name, num_workers, pad_to=num_workers),
-                              ref.make_tx(name), rule=rule, mesh=mesh_of(num_workers, replicas),
-                              timetable=timetable, scan_steps=scan_steps)
+def executor_of(name, rule, num_workers, timetable=None, scan_steps=None, replicas=None,
+                flat=False):
+  """The executor as the launcher builds it (ZeRO-3's stages padded to TPU tiles), or ``flat``:
+  stage buffers padded to a multiple of N only."""
+  plan_ = executor.resolve(rule, "zero", num_workers, num_workers, timetable)
+  pad_to = num_workers if flat else zero.pad_to(num_workers, plan_.timetable)
+  return zero.make_executor(ref.staged_of(name, num_workers, pad_to=pad_to), ref.make_tx(name),
+                            rule=plan_, mesh=mesh_of(num_workers, replicas), scan_steps=scan_steps)
 
 
 def initial_state(ex, name, num_workers):
@@ -39,9 +43,9 @@ def initial_state(ex, name, num_workers):
   return ex.init(params, model_state)
 
 
-def zero_run(name, rule, num_workers, scan_steps=None, replicas=None):
+def zero_run(name, rule, num_workers, scan_steps=None, replicas=None, flat=False):
   """NUM_STEPS steps, ``scan_steps`` per call: per-step metrics and the final variables."""
-  ex = executor_of(name, rule, num_workers, scan_steps=scan_steps, replicas=replicas)
+  ex = executor_of(name, rule, num_workers, scan_steps=scan_steps, replicas=replicas, flat=flat)
   state = initial_state(ex, name, num_workers)
   data, metrics = ref.batches(name, num_workers * (replicas or 1)), []
   per_call = scan_steps or 1
@@ -54,11 +58,13 @@ def zero_run(name, rule, num_workers, scan_steps=None, replicas=None):
   return metrics, jax.tree.map(np.asarray, ex.variables(state)), ex.plan
 
 
-@pytest.mark.parametrize("rule,timetable,num_workers,scan_steps", [
-    ("dp", "zero3", 2, None), ("cdp-v1", "cyclic", 2, None), ("cdp-v2", "cyclic", 2, 2)])
-def test_residual_mlp_matches_engine(rule, timetable, num_workers, scan_steps):
-  """tests/test_executors.py runs every rule through the launcher against the engine."""
-  metrics, variables, plan_ = zero_run("residual_mlp", rule, num_workers, scan_steps)
+@pytest.mark.parametrize("rule,timetable,num_workers,scan_steps,flat", [
+    ("dp", "zero3", 2, None, False), ("dp", "zero3", 2, None, True),
+    ("cdp-v1", "cyclic", 2, None, False), ("cdp-v2", "cyclic", 2, 2, False)])
+def test_residual_mlp_matches_engine(rule, timetable, num_workers, scan_steps, flat):
+  """tests/test_executors.py runs every rule through the launcher against the engine; ZeRO-3
+  here with its stages as TPU tiles and as flat buffers."""
+  metrics, variables, plan_ = zero_run("residual_mlp", rule, num_workers, scan_steps, flat=flat)
   assert plan_.timetable == timetable  # dp runs ZeRO-3, the cdp rules the cyclic ring.
   ref.assert_matches_engine(metrics, variables, "residual_mlp", rule, num_workers)
 

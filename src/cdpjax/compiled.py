@@ -26,6 +26,9 @@ _GROUPS = re.compile(  # {{0,1},{2,3}} or the iota form [2,4]<=[4,2]T(1,0).
     r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _OPERAND = re.compile(r"%([\w.\-]+)")
+# The TPU compiler splits an overlapped collective into a start fusion and continuation
+# fusions, each holding a copy of the collective: the start's (flag_start -1) is the one.
+_CONTINUATION = re.compile(r'"async_collective_fusion_config":\{"flag_start":"(?!-1")')
 _STABLEHLO = re.compile(
     r"\bstablehlo\.(all_reduce|all_gather|reduce_scatter|collective_permute|all_to_all)\b")
 
@@ -120,7 +123,8 @@ def collectives(hlo_text: str) -> list[Collective]:
   """The collectives of compiled HLO text, ``jit(f).lower(*a).compile().as_text()``."""
   instructions = []
   for line in hlo_text.splitlines():
-    match = any(kind in line for kind in KINDS) and _INSTRUCTION.match(line)
+    match = (any(kind in line for kind in KINDS) and not _CONTINUATION.search(line)
+             and _INSTRUCTION.match(line))
     if match:
       shape, tail = _split_shape(match.group("rest"))
       opcode, _, after = tail.partition("(")

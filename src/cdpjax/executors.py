@@ -72,10 +72,11 @@ def zero_executor(model, tx, *, params, model_state, stage_ids, sample_input, ru
                   loss_fn: Callable, scan_steps: int | None = None,
                   **_) -> executor_lib.Executor:
   """Executed CDP-ZeRO or ZeRO-3 (``cdpjax.executed.zero``) of ``model`` cut at ``stage_ids``."""
+  num_workers = int(mesh.shape["data"])
+  plan = executor_lib.resolve(rule, "zero", num_workers, engine.num_stages_of(stage_ids))
   staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn,
-                   pad_to=int(mesh.shape["data"]))
-  return zero.make_executor(staged, tx, rule=rule, mesh=mesh,
-                              scan_steps=scan_steps)
+                   pad_to=zero.pad_to(num_workers, plan.timetable))
+  return zero.make_executor(staged, tx, rule=plan, mesh=mesh, scan_steps=scan_steps)
 
 
 EXECUTORS = {"data": engine_executor, "model": pipeline_executor, "zero": zero_executor}

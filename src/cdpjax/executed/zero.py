@@ -75,6 +75,17 @@ from cdpjax.executed.staged import StagedModel
 
 AXIS = "data"
 REPLICA = "replica"
+TPU_LANES = 128
+TPU_SHARD = 16 * TPU_LANES
+"""ZeRO-3 gathers and scatters a stage as rows of ``TPU_LANES`` when each worker's shard is a
+multiple of ``TPU_SHARD`` elements: the TPU compiler keeps those as ``all-gather`` and
+``reduce-scatter``, where it turns a flat buffer's into whole-buffer all-reduces (``tpu_plan``'s
+lowering check: 16 rows a shard stayed a reduce-scatter, 8 did not). `pad_to` gives that size."""
+
+
+def pad_to(num_workers: int, timetable: str) -> int:
+  """The multiple a staged model's buffers are padded to for ``timetable`` on ``num_workers``."""
+  return num_workers * TPU_SHARD if timetable == "zero3" else num_workers
 
 
 def owner(stage: int, num_stages: int) -> int:
@@ -432,6 +443,9 @@ def _zero3_step(staged: StagedModel, tx, delays, num_replicas: int):
   num_workers = num_stages = staged.num_stages
   num_total = num_workers * num_replicas
   axes = (REPLICA, AXIS) if num_replicas > 1 else (AXIS,)
+  tiled = staged.param_size % (num_workers * TPU_SHARD) == 0
+  tile = lambda flat: flat.reshape(-1, TPU_LANES) if tiled else flat
+  untile = lambda buffer: buffer.reshape(-1)
 
   def step(state: StagedState, batch):
     me = jax.lax.axis_index(AXIS)
@@ -449,7 +463,7 @@ def _zero3_step(staged: StagedModel, tx, delays, num_replicas: int):
       shard = lambda v: versions[v][owner(j, num_stages)]
       if after is not None:
         shard = lambda v, shard=shard: shard(v) + 0 * after
-      full = {v: jax.lax.all_gather(shard(v), AXIS, tiled=True) for v in column}
+      full = {v: untile(jax.lax.all_gather(tile(shard(v)), AXIS, tiled=True)) for v in column}
       view = full[column[0]]
       for v in column[1:]:
         view = jnp.where(jnp.asarray(delays[:, j])[me] == v, full[v], view)
@@ -472,7 +486,7 @@ def _zero3_step(staged: StagedModel, tx, delays, num_replicas: int):
       after = loss if j == num_stages - 1 else cot[0]
       grad, cot = staged.vjp(j, gather(versions, j, after),
                              states[owner(j, num_stages)], stash[j], x, y, cot)
-      grad = jax.lax.psum_scatter(grad, AXIS, tiled=True)
+      grad = untile(jax.lax.psum_scatter(tile(grad), AXIS, tiled=True))
       if num_replicas > 1:
         grad = jax.lax.psum(grad, REPLICA)  # One all-reduce per stage and step.
       grads[owner(j, num_stages)] = grad / num_total
