@@ -52,6 +52,9 @@ PLANS = {
         ("resnet50", "configs/imagenet_resnet50.py", {}, {}, "v5e:16x16"),
         ("transformer-1b", "configs/lm.py:size=base", {"per_worker_batch_size": 4},
          TRANSFORMER_1B, "v5p:8x8x4"),
+        # Issue 34's check points: the quick starts on one v5e host, 2 replicas of J = 4.
+        ("lm-quick", "configs/lm.py", {}, {}, "v5e:2x4"),
+        ("digits-resnet18", "configs/digits.py:model=resnet18", {}, {}, "v5e:2x4"),
     ],
     "quick": [("digits-mlp", "configs/digits.py", {}, {}, "v5e:2x4")],
 }
@@ -330,6 +333,7 @@ def largest_layers(line, hbm: float, num_stages: int) -> int:
 
 # The largest-model figures come from the cost model; one of them is checked by a compile.
 LARGEST_CHECK = ("cdp+mp", "v5e:16x16")
+LARGEST_FROM = "transformer-1b"  # The model whose layer count the largest-model figures vary.
 
 
 def check_largest(out, name, c, largest, cached_only) -> dict | None:
@@ -387,7 +391,7 @@ def main(argv=None):
     for strategy in args.strategies:
       topology = pod
       c = point_config(path, overrides, model_kwargs, strategy, chips, NUM_STAGES[plan])
-      if c.model == "transformer":  # From the cost model alone: no compile.
+      if name == LARGEST_FROM:  # From the cost model alone: no compile.
         line = peak_line(c.copy_and_resolve_references(), strategy, NUM_STAGES[plan])
         for other in ("v5e:16x16", "v5p:8x8x4"):
           hbm = aot.CHIP_HBM_BYTES[aot.parse_topology(other)[0]]
@@ -397,7 +401,7 @@ def main(argv=None):
                           "d_model": c.model_kwargs.d_model,
                           "params_B": round(layers * per_layer_params / 1e9, 2),
                           "predicted_GiB_per_layer": line[1] / (1 << 30)})
-      if c.model == "transformer" and strategy == LARGEST_CHECK[0]:
+      if name == LARGEST_FROM and strategy == LARGEST_CHECK[0]:
         checked = check_largest(out, name, c, largest, args.cached_only)
         if checked is None:
           missing.append(f"{name} {strategy} {LARGEST_CHECK[1]} at its largest size")
