@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from cdpjax import aot, compiled, engine, stages, tasks  # noqa: E402
+from cdpjax import aot, engine, hlo, stages, tasks  # noqa: E402
 from cdpjax.executed import staged as staged_lib  # noqa: E402
 from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
 
@@ -135,10 +135,10 @@ def lowered_stagewise_step(mesh, width: int, per_worker_batch: int, tied: bool):
 
 def measure(lowered, compiler_options) -> dict:
   program = aot.compile_uncached(lowered, compiler_options)  # TPU executables stay out of the cache.
-  scheduled, num_compute = compiled.collective_schedule(program.as_text())
+  scheduled, num_compute = hlo.collective_schedule(program.as_text())
   all_reduces = [c for c in scheduled if c.kind == "all-reduce"]
   return {
-      "stablehlo_all_reduces": compiled.stablehlo_collectives(lowered.as_text())["all-reduce"],
+      "stablehlo_all_reduces": hlo.stablehlo_collectives(lowered.as_text())["all-reduce"],
       "compiled_all_reduces": len(all_reduces),
       "bytes": [c.bytes for c in all_reduces],
       "compute_after": [c.compute_after for c in all_reduces],

@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from cdpjax import compiled, models, schedule, stages  # noqa: E402
+from cdpjax import compiled, hlo, models, schedule, stages  # noqa: E402
 from cdpjax.executed import pipeline, plan, zero  # noqa: E402
 from cdpjax.executed import staged as staged_lib  # noqa: E402
 from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
@@ -108,9 +108,9 @@ def schedule_counts(schedule, num_stages, num_steps, act_bytes):
   }
 
 
-def collective_figures(hlo, slots_per_step):
+def collective_figures(text, slots_per_step):
   """Collective kinds and bytes per device: static (per op) and per step (executed)."""
-  found = compiled.collectives(hlo)
+  found = hlo.collectives(text)
   kinds = sorted({c.kind for c in found})
   per_step = {}
   for c in found:
@@ -118,7 +118,7 @@ def collective_figures(hlo, slots_per_step):
     # included; dp+mp's gradient all-reduce runs once per step.
     times = slots_per_step / 2 if c.kind == "collective-permute" else 1
     per_step[c.kind] = per_step.get(c.kind, 0) + c.bytes * times
-  return {"collective_kinds": kinds, "collectives": compiled.collective_summary(hlo),
+  return {"collective_kinds": kinds, "collectives": hlo.collective_summary(text),
           "collective_bytes_per_step_per_device": per_step}
 
 

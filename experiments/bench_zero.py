@@ -62,7 +62,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from cdpjax import compiled, executors, stages  # noqa: E402
+from cdpjax import compiled, executors, hlo, stages  # noqa: E402
 from cdpjax.executed import plan, zero  # noqa: E402
 from cdpjax.executed import staged as staged_lib  # noqa: E402
 from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
@@ -76,7 +76,7 @@ def bytes_sent_per_device(hlo_text: str, num_workers: int) -> np.ndarray:
   ``2 (G-1)/G`` of the buffer (G: group size). A loop body counts once.
   """
   sent = np.zeros(num_workers)
-  for c in compiled.collectives(hlo_text):
+  for c in hlo.collectives(hlo_text):
     if c.kind == "collective-permute":
       for src, _ in c.source_target_pairs:
         sent[src] += c.bytes
@@ -207,8 +207,8 @@ def messages_replaced(floor: str):
     zero.Ring.send, zero.Ring.permute = send, permute
 
 
-def _collectives_run(hlo, scan_steps):
-  runs = compiled.collectives_per_step(hlo, scan_steps)
+def _collectives_run(text, scan_steps):
+  runs = hlo.collectives_per_step(text, scan_steps)
   return {k: (v["count_min"], v["count_max"]) for k, v in runs.items() if v["count_max"]}
 
 
@@ -229,12 +229,12 @@ def floor_programs(staged, params, tx, mesh, steps_batch, scan_steps, hlo_of) ->
       if no_compute:
         replaced.enter_context(compute_replaced())
       state, _ = ex.step(ex.init(params), steps_batch)
-      hlo = ex.lower(state, steps_batch).compile().as_text()
+      text = ex.lower(state, steps_batch).compile().as_text()
     slots = plan.zero_slots(staged.num_stages, scan_steps) / scan_steps
     want = {None: _collectives_run(hlo_of[timetable], scan_steps), "no_collectives": {},
             "slot_rendezvous": {"collective-permute": (slots, slots)}}[messages]
-    if _collectives_run(hlo, scan_steps) != want:
-      raise RuntimeError(f"The {name} ablation runs {_collectives_run(hlo, scan_steps)} "
+    if _collectives_run(text, scan_steps) != want:
+      raise RuntimeError(f"The {name} ablation runs {_collectives_run(text, scan_steps)} "
                          f"collectives per step, not {want}.")
     programs[name] = (ex.step, state, steps_batch)
   return programs
@@ -253,7 +253,7 @@ def time_split(step_time: dict) -> dict:
 
 def program_figures(executable, state, staged, delays, num_steps, name) -> dict:
   """Memory, collectives, bytes per device per step and the busiest slot of one program."""
-  hlo = executable.as_text()
+  text = executable.as_text()
   memory = compiled.memory(executable)
   num_workers = staged.num_stages
   stale = getattr(state, "stale_params", ())
@@ -265,7 +265,7 @@ def program_figures(executable, state, staged, delays, num_steps, name) -> dict:
           "argument_bytes": memory["argument_bytes"],
           "peak_bytes": memory["peak_bytes"],
       },
-      "collectives": {k: v for k, v in compiled.collective_summary(hlo).items() if v["count"]},
+      "collectives": {k: v for k, v in hlo.collective_summary(text).items() if v["count"]},
   }
   row["memory"]["model_states"] = row["memory"]["parameters"] + row["memory"]["optimizer"]
   stage_bytes = 4 * staged.param_size
@@ -274,7 +274,7 @@ def program_figures(executable, state, staged, delays, num_steps, name) -> dict:
     # Collectives run per step: the ring's ppermute rounds (the MLP has no model state).
     runs = (plan.message_rounds(plan.zero_plan(delays, num_steps)).index > 0).sum() / num_steps
   else:  # One step in the program (zero3's scan body, or the engine's step).
-    sent = bytes_sent_per_device(hlo, num_workers)
+    sent = bytes_sent_per_device(text, num_workers)
     runs = sum(v["count"] for v in row["collectives"].values())
   row["collectives_per_step"] = float(runs)
   row["bytes_per_device_per_step"] = int(sent.max())  # The busiest device.
@@ -306,11 +306,11 @@ def compile_sweep(num_stages_list, args) -> list[dict]:
       lowered = ex.lower(state, batch)
       lower_s = time.perf_counter() - start
       start = time.perf_counter()
-      hlo = lowered.compile().as_text()
+      text = lowered.compile().as_text()
       rows.append({"schedule": name, "num_stages": num_stages, "lower_s": round(lower_s, 2),
                    "compile_s": round(time.perf_counter() - start, 2),
                    "stablehlo_mb": round(len(lowered.as_text()) / 1e6, 3),
-                   "hlo_mb": round(len(hlo) / 1e6, 3)})
+                   "hlo_mb": round(len(text) / 1e6, 3)})
   return rows
 
 

@@ -275,7 +275,7 @@ def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> di
 def row(name, strategy, topology, compiled, prediction) -> dict:
   """One table row: compiled against predicted.
 
-  Collective bytes are per step (``cdpjax.compiled.collectives_per_step``; the
+  Collective bytes are per step (``cdpjax.hlo.collectives_per_step``; the
   compile runs one step per call): a conditional in the slot scan counts the
   branch its slot table selects; one whose branch depends on data would be
   bounded (``_min``: its cheapest branch, ``_max``: its costliest). A point

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from cdpjax import analysis, compiled, engine, schedule
+from cdpjax import analysis, compiled, engine, hlo, schedule
 from cdpjax.executed import pipeline, plan, zero
 from cdpjax.executed import staged as staged_lib
 from cdpjax.models.residual_mlp import ResidualMLP
@@ -161,8 +161,8 @@ def test_engine_memory_and_all_reduce_bytes(params, stage_ids):
   assert mem["argument_bytes"] / (state_bytes + B * BATCH_BYTES_PER_ROW + norms_flag) == 1.0
   assert mem["alias_bytes"] / state_bytes == 1.0  # The donated state.
   (reduce,) = predicted.communication
-  assert compiled.stablehlo_collectives(lowered.as_text())["all-reduce"] == reduce.ops == J
-  measured = compiled.collective_summary(program.as_text())["all-reduce"]["bytes"]
+  assert hlo.stablehlo_collectives(lowered.as_text())["all-reduce"] == reduce.ops == J
+  measured = hlo.collective_summary(program.as_text())["all-reduce"]["bytes"]
   assert measured / (reduce.payload_bytes + 4) == 1.0  # + the loss, riding in the last bucket.
 
 
@@ -188,12 +188,12 @@ def test_cdp_mp_pipeline_memory_and_messages(params, stage_ids):
   assert mem["alias_bytes"] / state_bytes == 1.0
   # The whole (small) batch is replicated to every stage device.
   assert mem["argument_bytes"] / (state_bytes + N * B * BATCH_BYTES_PER_ROW) == 1.0
-  found = compiled.collectives(program.as_text())
+  found = hlo.collectives(program.as_text())
   assert {c.kind for c in found} == {"collective-permute"}  # Gradients stay on their device.
   (p2p,) = predicted.communication
   assert all(c.bytes / (p2p.payload_bytes / p2p.ops) == 1.0 for c in found)  # One boundary each.
   # Per step (one step per call), the program permutes at every slot with neighbours to swap.
-  per_step = compiled.collectives_per_step(compiled.hlo_text(program))["collective-permute"]
+  per_step = hlo.collectives_per_step(compiled.hlo_text(program))["collective-permute"]
   slots = plan.cyclic_slots(J, 1)
   swaps = sum(bool(plan.swap_pairs(J, s % 2)) for s in range(slots))
   assert per_step["bytes_min"] == per_step["bytes_max"] == swaps * act_bytes
@@ -215,7 +215,7 @@ def test_zero_memory_and_traffic(params, stage_ids, timetable):
   state_bytes = predicted.per_device.params + predicted.per_device.optimizer + 4
   assert mem["alias_bytes"] / state_bytes == 1.0
   assert mem["argument_bytes"] / (state_bytes + B * BATCH_BYTES_PER_ROW) == 1.0
-  found = compiled.collectives(program.as_text())
+  found = hlo.collectives(program.as_text())
   if timetable == "cyclic":
     assert {c.kind for c in found} == {"collective-permute"}
     assert {c.bytes for c in found} == {stage_bytes}  # Each message one stage buffer.
@@ -225,10 +225,10 @@ def test_zero_memory_and_traffic(params, stage_ids, timetable):
     assert moved / ring.total_bytes == 1.0  # 3(N-1) stage messages per stage.
     # Per step, a permute runs on every device for each round of a slot's messages.
     sends = (plan.message_rounds(plan.zero_plan(ex.plan.delays)).index != 0).sum()
-    per_step = compiled.collectives_per_step(compiled.hlo_text(program))["collective-permute"]
+    per_step = hlo.collectives_per_step(compiled.hlo_text(program))["collective-permute"]
     assert per_step["bytes_min"] == per_step["bytes_max"] == sends * stage_bytes
   else:
-    summary = compiled.collective_summary(program.as_text())
+    summary = hlo.collective_summary(program.as_text())
     scatter, gather = predicted.communication
     assert (summary["all-gather"]["count"], summary["reduce-scatter"]["count"]) == (
         gather.ops, scatter.ops)
@@ -297,6 +297,6 @@ def test_replicated_zero3_all_reduces_each_shard_over_the_replicas(params, stage
   program = ex.lower(ex.init(params), _batch(2 * N)).compile()
   w = analysis.workload(J * 4 * staged.param_size, 1.0, J)
   reduce = analysis.cost("zero-3", N, w, replicas=2).communication[-1]
-  found = [c for c in compiled.collectives(program.as_text()) if c.kind == "all-reduce"
+  found = [c for c in hlo.collectives(program.as_text()) if c.kind == "all-reduce"
            and c.replica_groups and len(c.replica_groups[0]) == 2]
   assert sum(c.bytes for c in found) / reduce.payload_bytes == 1.0

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cdpjax import compiled
+from cdpjax import compiled, hlo
 
 SHARD_BYTES = 4 * 16 * 4  # One device's f32[4, 16] shard of the f32[32, 16] input.
 ALL_DEVICES = (tuple(range(8)),)
@@ -38,24 +38,24 @@ def _lower(mesh, x, body, out_specs=P("data")):
 def test_one_collective(mesh, x, body, out_specs, kind, nbytes, groups, pairs):
   lowered = _lower(mesh, x, body, out_specs)
   hlo_text = lowered.compile().as_text()
-  (found,) = compiled.collectives(hlo_text)
+  (found,) = hlo.collectives(hlo_text)
   assert (found.kind, found.bytes, found.replica_groups, found.source_target_pairs) == (
       kind, nbytes, groups, pairs)
   assert not found.is_async
-  summary = compiled.collective_summary(hlo_text)
+  summary = hlo.collective_summary(hlo_text)
   assert summary == {k: {"count": int(k == kind), "bytes": nbytes * (k == kind),
                          "count_min": int(k == kind), "count_max": int(k == kind),
                          "bytes_min": nbytes * (k == kind), "bytes_max": nbytes * (k == kind)}
-                     for k in compiled.KINDS}
-  assert compiled.stablehlo_collectives(lowered.as_text()) == {
-      k: int(k == kind) for k in compiled.KINDS}
+                     for k in hlo.KINDS}
+  assert hlo.stablehlo_collectives(lowered.as_text()) == {
+      k: int(k == kind) for k in hlo.KINDS}
 
 
 def test_three_psums_are_three_stablehlo_all_reduces(mesh, x):
   lowered = _lower(mesh, x, lambda a: sum(jax.lax.psum(a * c, "data") for c in (1., 2., 3.)), P())
-  assert compiled.stablehlo_collectives(lowered.as_text())["all-reduce"] == 3
+  assert hlo.stablehlo_collectives(lowered.as_text())["all-reduce"] == 3
   # XLA may combine them into one tuple-shaped all-reduce; the bytes are unchanged.
-  assert compiled.collective_summary(lowered.compile().as_text())["all-reduce"]["bytes"] == (
+  assert hlo.collective_summary(lowered.compile().as_text())["all-reduce"]["bytes"] == (
       3 * SHARD_BYTES)
 
 
@@ -85,7 +85,7 @@ ASYNC_HLO = """
 
 
 def test_async_pairs_count_once_with_the_done_payload():
-  found = compiled.collectives(ASYNC_HLO)
+  found = hlo.collectives(ASYNC_HLO)
   assert [(c.name, c.kind, c.bytes, c.is_async) for c in found] == [
       ("ag-start", "all-gather", 32 * 16 * 4, True),
       ("cp-start", "collective-permute", 8 * 2, True),
@@ -100,7 +100,7 @@ def test_async_pairs_count_once_with_the_done_payload():
     ("u32[2]", 8), ("pred[7]", 7), ("s8[3]", 3), ("u8[3]", 3), ("s4[3]", 2), ("c64[1]", 8),
     ("f8e4m3fn[4]", 4), ("(f32[2], /*index=1*/u32[], token[])", 12), ("f32[<=8]", 32)])
 def test_shape_bytes(shape, nbytes):
-  assert compiled.shape_bytes(shape) == nbytes
+  assert hlo.shape_bytes(shape) == nbytes
 
 
 def test_collective_schedule_counts_compute_after_each_collective(mesh, x):
@@ -113,9 +113,9 @@ def test_collective_schedule_counts_compute_after_each_collective(mesh, x):
   def reduce_before(a):
     return jnp.tanh(jax.lax.psum(a, "data") @ w)
 
-  after, num_after = compiled.collective_schedule(
+  after, num_after = hlo.collective_schedule(
       _lower(mesh, x, reduce_after, P()).compile().as_text())
-  before, num_before = compiled.collective_schedule(
+  before, num_before = hlo.collective_schedule(
       _lower(mesh, x, reduce_before, P()).compile().as_text())
   assert num_after == num_before == 1
   assert [(c.kind, c.compute_after) for c in after] == [("all-reduce", 0)]
@@ -125,7 +125,7 @@ def test_collective_schedule_counts_compute_after_each_collective(mesh, x):
 
 def test_collective_schedule_needs_an_entry():
   with pytest.raises(ValueError, match="ENTRY"):
-    compiled.collective_schedule("HloModule m\n")
+    hlo.collective_schedule("HloModule m\n")
 
 
 def _scan_with_conds(a):
@@ -161,13 +161,13 @@ def test_per_step_on_the_tpu_compiler():
 
 
 def test_per_step_weights_a_scan_and_follows_or_bounds_conds(mesh, x):
-  hlo = compiled.hlo_text(_lower(mesh, x, _scan_with_conds).compile())
-  assert '"known_trip_count":{"n":"5"}' in hlo  # The CPU compiler's annotation, read first.
-  _check_scan_with_conds(compiled.collective_summary(hlo))
-  per_step = compiled.collectives_per_step(hlo, steps_per_call=5)
+  text = compiled.hlo_text(_lower(mesh, x, _scan_with_conds).compile())
+  assert '"known_trip_count":{"n":"5"}' in text  # The CPU compiler's annotation, read first.
+  _check_scan_with_conds(hlo.collective_summary(text))
+  per_step = hlo.collectives_per_step(text, steps_per_call=5)
   assert per_step["all-reduce"]["bytes_min"] == SHARD_BYTES
   with pytest.raises(ValueError, match="steps_per_call"):
-    compiled.collectives_per_step(hlo, steps_per_call=0)
+    hlo.collectives_per_step(text, steps_per_call=0)
 
 
 # The TPU compiler's form (no known_trip_count): the trip count is read off the condition,
@@ -221,22 +221,22 @@ ENTRY %main (a: f32[4]) -> (s32[], f32[4], s32[]) {
 
 
 def test_per_step_reads_a_tpu_loop_and_its_branches():
-  per_step = compiled.collectives_per_step(TPU_LOOP_HLO)
+  per_step = hlo.collectives_per_step(TPU_LOOP_HLO)
   figures = lambda kind: (per_step[kind]["bytes_min"], per_step[kind]["bytes_max"])
   assert figures("collective-permute") == (4 * 16, 4 * 16)
   assert figures("all-reduce") == (2 * 16, 2 * 16 + 4 * 16)  # 2 exact, + 0 to 4 bounded.
   assert figures("all-gather") == (2 * 64, 2 * 64 + 4 * 64)
   with pytest.warns(UserWarning, match="trip count"):
-    once = compiled.collectives_per_step(TPU_LOOP_HLO.replace("constant(2)\n  %start",
+    once = hlo.collectives_per_step(TPU_LOOP_HLO.replace("constant(2)\n  %start",
                                                               "parameter(1)\n  %start"))
   assert once["collective-permute"]["count_max"] == 1
 
 
 def test_per_step_follows_a_device_dependent_branch():
   """A branch on ``partition-id``: devices 0 and 1 all-reduce each trip, 2 and 3 all-gather."""
-  hlo = TPU_LOOP_HLO.replace("%parity = s32[] remainder(%k, %two)",
+  text = TPU_LOOP_HLO.replace("%parity = s32[] remainder(%k, %two)",
                              "%pid = u32[] partition-id()\n  %parity = s32[] divide(%pid, %two)")
-  per_step = compiled.collectives_per_step(hlo)
+  per_step = hlo.collectives_per_step(text)
   assert per_step["all-reduce"]["bytes_min"] == 0  # Devices 2 and 3.
   assert per_step["all-reduce"]["bytes_max"] == 4 * 16 + 4 * 16  # Devices 0 and 1, + bounded.
   assert per_step["all-gather"]["bytes_max"] == 4 * 64 + 4 * 64
@@ -244,13 +244,13 @@ def test_per_step_follows_a_device_dependent_branch():
 
 def test_per_step_follows_a_predicate_conditional():
   """``true_computation`` runs when the predicate holds: counter % 2 == 0 picks the all-reduce."""
-  hlo = TPU_LOOP_HLO.replace(
+  text = TPU_LOOP_HLO.replace(
       "%parity = s32[] remainder(%k, %two)",
       "%r = s32[] remainder(%k, %two)\n  %z = s32[] constant(0)\n"
       "  %parity = pred[] compare(%r, %z), direction=EQ").replace(
           "branch_computations={%small, %large}\n  %data",
           "true_computation=%small, false_computation=%large\n  %data")
-  per_step = compiled.collectives_per_step(hlo)
+  per_step = hlo.collectives_per_step(text)
   assert (per_step["all-reduce"]["bytes_min"], per_step["all-gather"]["bytes_min"]) == (
       2 * 16, 2 * 64)
 
@@ -271,18 +271,18 @@ def _table_copied_from_a_fourth_element(start: str) -> str:
           ).replace("%zero = s32[] constant(0)", "%zero = s32[] constant(0)\n  %c1 = s32[] constant(1)")
 
 
-@pytest.mark.parametrize("hlo", [
+@pytest.mark.parametrize("text", [
     TPU_LOOP_HLO.replace("%moved = s32[] add(%data, %one)",
                          "%start.0 = (s32[], s32[], u32[]) copy-start(%data)\n"
                          "  %moved = s32[] copy-done(%start.0)"),
     _table_copied_from_a_fourth_element("%zero"),
 ], ids=["passed-through", "copied-from-its-twin"])
-def test_per_step_sees_through_a_move_between_memory_spaces(hlo):
+def test_per_step_sees_through_a_move_between_memory_spaces(text):
   """The TPU compiler may return loop-invariant state (a slot table) through
   ``copy-start``/``copy-done``, or from a twin element that holds the same table: still
   invariant, so the second conditional's index (0, the initial value) is evaluated, not
   bounded."""
-  per_step = compiled.collectives_per_step(hlo)
+  per_step = hlo.collectives_per_step(text)
   figures = lambda kind: (per_step[kind]["bytes_min"], per_step[kind]["bytes_max"])
   assert figures("all-reduce") == (6 * 16, 6 * 16)  # 2 by parity, 4 by the table.
   assert figures("all-gather") == (2 * 64, 2 * 64)
@@ -290,6 +290,6 @@ def test_per_step_sees_through_a_move_between_memory_spaces(hlo):
 
 def test_per_step_bounds_a_twin_that_starts_different():
   """Element 2 starts at 0 and becomes element 3's 1 after a trip: not invariant, bounded."""
-  per_step = compiled.collectives_per_step(_table_copied_from_a_fourth_element("%c1"))
+  per_step = hlo.collectives_per_step(_table_copied_from_a_fourth_element("%c1"))
   assert (per_step["all-reduce"]["bytes_min"], per_step["all-reduce"]["bytes_max"]) == (
       2 * 16, 6 * 16)

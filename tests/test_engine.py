@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from cdpjax import compiled, engine, schedule
+from cdpjax import compiled, engine, hlo, schedule
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -191,7 +191,7 @@ def test_stablehlo_has_one_all_reduce_per_stage(num_stages):
   tx = optax.sgd(0.1)
   step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule="cdp-v2", mesh=mesh_of(4))
   lowered = step.lower(engine.init_state(params, tx, rule="cdp-v2"), batch)
-  counts = compiled.stablehlo_collectives(lowered.as_text())
+  counts = hlo.stablehlo_collectives(lowered.as_text())
   assert counts["all-reduce"] == num_stages
 
 
@@ -245,7 +245,7 @@ def test_sharded_workers_reduce_each_stage_once_over_the_workers():
   mesh = workers_of_two(4)
   step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule="cdp-v2", mesh=mesh)
   text = step.lower(step.init(params), batch).as_text()
-  assert compiled.stablehlo_collectives(text)["all-reduce"] == 3
+  assert hlo.stablehlo_collectives(text)["all-reduce"] == 3
   data_groups = sorted(sorted(d.id for d in column) for column in mesh.devices.T)
   groups = re.findall(r"all_reduce.*?replica_groups = dense<(\[\[.*?\]\])>", text)
   assert len(groups) == 3 and all(json.loads(g) == data_groups for g in groups)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from cdpjax import compiled, models, schedule, stages
+from cdpjax import compiled, hlo, models, schedule, stages
 from cdpjax.executed import pipeline, plan
 from cdpjax.executed import staged as staged_lib
 
@@ -94,7 +94,7 @@ def test_replicas_reduce_each_stage_once_per_step():
   J = 2 one swap: the odd slots' pair list is empty)."""
   ex = executor_of("residual_mlp", "cdp-v2", 2, replicas=REPLICAS)
   batch = ref.batches("residual_mlp", REPLICAS * 2, num_steps=STEPS_PER_CALL)
-  counts = compiled.stablehlo_collectives(
+  counts = hlo.stablehlo_collectives(
       ex.lower(initial_state(ex, "residual_mlp", 2), batch).as_text())
   assert {k: n for k, n in counts.items() if n} == {"all-reduce": 1, "collective-permute": 1}
 
@@ -140,7 +140,7 @@ def test_only_collective_permutes():
   """
   act_bytes = ref.PER_MICRO["residual_mlp"] * 8 * 4  # b rows of width 8, float32.
   for rule, pairs in [("cdp-v2", [plan.swap_pairs(2, 0)]), ("dp", [[(0, 1)], [(1, 0)]])]:
-    found = compiled.collectives(compiled_of("residual_mlp", rule, 2).as_text())
+    found = hlo.collectives(compiled_of("residual_mlp", rule, 2).as_text())
     assert {c.kind for c in found} == {"collective-permute"}
     assert sorted(sorted(c.source_target_pairs) for c in found) == sorted(map(sorted, pairs))
     assert all(c.bytes == act_bytes for c in found)

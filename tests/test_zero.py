@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from cdpjax import compiled, engine, executor, schedule
+from cdpjax import engine, executor, hlo, schedule
 from cdpjax.executed import plan, zero
 from cdpjax.executed import staged as staged_lib
 
@@ -102,7 +102,7 @@ def hlo_for(num_workers, rule, scan_steps=2, replicas=None):
 
 
 def test_cyclic_step_has_only_collective_permutes_matching_the_plan():
-  found = compiled.collectives(hlo_for(2, "cdp-v2"))
+  found = hlo.collectives(hlo_for(2, "cdp-v2"))
   assert {c.kind for c in found} == {"collective-permute"}
   pairs = {p for c in found for p in c.source_target_pairs}
   transfers = plan.zero_plan(schedule.delay_matrix("cdp-v2", 2, 2), 2).transfers
@@ -111,7 +111,7 @@ def test_cyclic_step_has_only_collective_permutes_matching_the_plan():
 
 def test_replicated_ring_adds_one_all_reduce_over_replicas():
   """The update's psum, in the loop body once: it runs once per stage and step."""
-  found = compiled.collectives(hlo_for(4, "cdp-v2", 2, replicas=2))
+  found = hlo.collectives(hlo_for(4, "cdp-v2", 2, replicas=2))
   (reduce,) = [c for c in found if c.kind == "all-reduce"]
   assert sorted(map(sorted, reduce.replica_groups)) == [[i, 4 + i] for i in range(4)]
   assert {c.kind for c in found} == {"all-reduce", "collective-permute"}
@@ -121,10 +121,10 @@ def test_messages_share_rounds_one_collective_permute_per_round_and_pair_list():
   """Stage and gradient messages share ppermute rounds: the loop body holds one
   collective-permute per round and pair list (the replicated ring's fixture)."""
   rounds = plan.message_rounds(plan.zero_plan(schedule.delay_matrix("cdp-v2", 4, 4), 2))
-  hlo = hlo_for(4, "cdp-v2", 2, replicas=2)
-  found = [c for c in compiled.collectives(hlo) if c.kind == "collective-permute"]
+  text = hlo_for(4, "cdp-v2", 2, replicas=2)
+  found = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
   assert len(found) == sum(len(lists) - 1 for lists in rounds.pair_lists) == 20
-  assert "is-finite(" in hlo  # Round 1 waits for round 0 (devices must not order them apart).
+  assert "is-finite(" in text  # Round 1 waits for round 0 (devices must not order them apart).
 
 
 @pytest.mark.parametrize("num_workers", [3, 4, 8])
@@ -161,7 +161,7 @@ def test_plan_is_the_timeline_without_flush(rule, num_workers):
 
 
 def test_zero3_gathers_at_use_and_reduce_scatters():
-  summary = compiled.collective_summary(hlo_for(2, "dp", None))
+  summary = hlo.collective_summary(hlo_for(2, "dp", None))
   assert summary["all-gather"]["count"] == 4  # Each stage, in the forward and the backward.
   assert summary["reduce-scatter"]["count"] == 2
   assert summary["all-reduce"]["count"] == summary["collective-permute"]["count"] == 0

@@ -187,12 +187,12 @@ def report(lowered, topology: str) -> dict:
   (`cdpjax.compiled.memory`); ``fits`` compares it with the chip's HBM
   (`CHIP_HBM_BYTES`). Collectives are the collective instructions of the
   compiled program with the bytes of their results on one chip
-  (`cdpjax.compiled.collective_summary`): ``count`` and ``bytes`` count each
+  (`cdpjax.hlo.collective_summary`): ``count`` and ``bytes`` count each
   instruction once; ``count_min``/``_max`` and ``bytes_min``/``_max`` are per
   step, weighted by the loops' trip counts and the branches the slot tables
   take (bounds where a branch cannot be read statically).
   """
-  from cdpjax import compiled  # pylint: disable=g-import-not-at-top
+  from cdpjax import compiled, hlo  # pylint: disable=g-import-not-at-top
   try:
     program = compile_uncached(lowered)
   except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
@@ -214,7 +214,7 @@ def report(lowered, topology: str) -> dict:
       "hbm_per_chip_bytes": hbm,
       "hbm_source": HBM_SOURCE,
       "fits": memory["peak_bytes"] <= hbm,
-      "collectives": compiled.collective_summary(compiled.hlo_text(program)),
+      "collectives": hlo.collective_summary(compiled.hlo_text(program)),
   }
 
 
