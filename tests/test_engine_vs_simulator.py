@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from cdpjax import engine, schedule, simulate, stages
+from cdpjax import engine, executor, schedule, simulate, stages
 
 WIDTH = 3
 STEPS = 3
@@ -90,3 +90,77 @@ def test_engine_equals_simulator_with_unequal_workers():
   np.testing.assert_allclose(metrics["loss"], ref.losses, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                state.params, ref.params)
+
+
+def _problem(rng, num_workers, num_stages, steps):
+  stage_params = [{"w": rng.normal(size=(WIDTH, WIDTH)).astype(np.float32) * 0.7,
+                   "b": rng.normal(size=(WIDTH,)).astype(np.float32) * 0.1}
+                  for _ in range(num_stages)]
+  xs = rng.normal(size=(steps, num_workers, 2, WIDTH)).astype(np.float32)
+  ys = rng.normal(size=(steps, num_workers, 2, WIDTH)).astype(np.float32)
+  sim_batches = [[(xs[t, i], ys[t, i]) for i in range(num_workers)] for t in range(steps)]
+  batches = {"x": xs.reshape(steps, -1, WIDTH), "y": ys.reshape(steps, -1, WIDTH)}
+  return stage_params, sim_batches, batches
+
+
+def _chain_loss(params, batch):
+  h = batch["x"]
+  for p in params:
+    h = stage_fn(p, h)
+  return micro_loss(h, batch["y"])
+
+
+@pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2", "two-step"])
+@pytest.mark.parametrize("num_workers,num_stages", [(2, 2), (4, 4), (4, 3)])
+def test_weight_prediction_equals_simulator(num_workers, num_stages, rule):
+  """Stale reads extrapolate by the last known step: theta_v + d (theta_v - theta_{v-1})."""
+  steps = 5
+  rng = np.random.default_rng(num_workers * 10 + num_stages)
+  stage_params, sim_batches, batches = _problem(rng, num_workers, num_stages, steps)
+  if rule == "two-step":  # Delays of 2 on stage 0: theta_{t-3} is read for the step.
+    rule = schedule.resolve("cdp-v2", num_workers, num_stages).copy()
+    rule[:, 0] = 2
+  mesh = jax.make_mesh((num_workers,), ("data",), devices=jax.devices()[:num_workers])
+  tx = optax.sgd(0.3, momentum=0.9)
+  plan = executor.resolve(rule, "data", num_workers, num_stages, predict=True)
+  assert plan.num_stale == schedule.max_delay(rule) + 1
+  step = engine.make_train_step(_chain_loss, tx, stage_ids=stages.grouped(stage_params),
+                                rule=plan, mesh=mesh, scan_steps=steps)
+  state, metrics = step(engine.init_state(stage_params, tx, rule=plan), batches)
+  ref = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params, tx,
+                          sim_batches, rule, weight_prediction=True)
+  plain = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params, tx,
+                            sim_batches, rule)
+  assert np.abs(ref.losses - plain.losses).max() > 1e-3  # The option changes the run.
+  np.testing.assert_allclose(metrics["loss"], ref.losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               state.params, ref.params)
+
+
+
+def test_weight_prediction_with_delays_that_are_data():
+  """A slow, jittered worker (a schedule.DelayRule) with weight prediction."""
+  num_workers, num_stages, steps, bound = 4, 3, 6, 2
+  speeds = [1.0, 1.25, 1.0, 0.5]
+  rng = np.random.default_rng(7)
+  jitter = rng.uniform(0, 0.5, size=(steps, num_workers))
+  stage_params, sim_batches, batches = _problem(rng, num_workers, num_stages, steps)
+  tx = optax.sgd(0.3, momentum=0.9)
+  ref = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params, tx, sim_batches,
+                          "cdp-v2", speeds=speeds, jitter=jitter, max_delay=bound,
+                          weight_prediction=True)
+  rule = schedule.timeline_rule(speeds, num_stages, steps, jitter=jitter, max_delay=bound)
+  plan = executor.resolve(rule, "data", num_workers, num_stages, predict=True)
+  mesh = jax.make_mesh((num_workers,), ("data",), devices=jax.devices()[:num_workers])
+  step = engine.make_train_step(_chain_loss, tx, stage_ids=stages.grouped(stage_params),
+                                rule=plan, mesh=mesh, scan_steps=steps)
+  state, metrics = step(engine.init_state(stage_params, tx, rule=plan), batches)
+  np.testing.assert_allclose(metrics["loss"], ref.losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               state.params, ref.params)
+
+
+def test_weight_prediction_is_refused_outside_the_engine():
+  for parallelism in ("model", "zero"):
+    with pytest.raises(ValueError, match="Weight prediction runs in the engine only"):
+      executor.resolve("cdp-v2", parallelism, 2, 2, predict=True)

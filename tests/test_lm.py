@@ -253,6 +253,26 @@ def test_lm_smoke_trains_and_logs(straight_run):
   assert summary["tokens_per_second"] > 0 and summary["final_bits_per_byte"] < 8.1
 
 
+def test_weight_prediction_departs_from_the_straight_run_at_step_four(straight_run, tmp_path,
+                                                                      capsys):
+  """Steps 1 and 2 read theta_0 (theta_{-1} = theta_0: nothing to extrapolate), and step 3's
+  extrapolation theta_1 - theta_0 is 0 (the warm-up's first learning rate is 0); from step 4 a
+  stale read is theta_{t-1} + (theta_{t-1} - theta_{t-2}). A resume may not switch it."""
+  _, metrics, workdir = straight_run
+  train.train_and_evaluate(lm_config(num_train_steps=4, weight_prediction=True, **RESUME),
+                           str(tmp_path))
+  assert "with weight prediction runs as the update-rule engine" in capsys.readouterr().out
+  plain = [m["train/loss"] for m in metrics if "train/loss" in m][:4]
+  predicted = [m["train/loss"] for m in read_metrics(tmp_path) if "train/loss" in m]
+  np.testing.assert_allclose(predicted[:3], plain[:3], rtol=1e-6)
+  assert abs(predicted[3] - plain[3]) > 1e-4, (predicted, plain)
+  with pytest.raises(ValueError, match="weight_prediction"):
+    train.train_and_evaluate(lm_config(num_train_steps=6, weight_prediction=True, **RESUME),
+                             workdir)
+  with pytest.raises(ValueError, match="weight_prediction runs in the update-rule engine only"):
+    config_lib.validate(lm_config("smoke,parallelism=zero", weight_prediction=True))
+
+
 def test_lm_resume_three_plus_three_equals_six_straight_steps(straight_run, tmp_path):
   """AdamW moments, the stale version and the data position all come back exactly."""
   train.train_and_evaluate(lm_config(num_train_steps=3, **RESUME), str(tmp_path))

@@ -100,6 +100,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.warmup_epochs = 0.0
   c.warmup_steps = 0  # > 0: warm-up in steps, instead of warmup_epochs.
   c.grad_clip_norm = 0.0  # > 0: clip the gradient to this global norm (parallelism=data).
+  # Delay compensation (parallelism=data): a stale read of theta_{t-d} uses
+  # theta_{t-d} + d * (theta_{t-d} - theta_{t-d-1}); a stage read stale keeps one more version.
+  c.weight_prediction = False
 
   c.seed = 0
   # Also evaluate and save the authors' final model (the mean over workers of
@@ -187,6 +190,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
         "devices of the mesh (evaluation is sharded over them).")
   if c.warmup_steps and c.warmup_epochs:
     raise ValueError("Set --config.warmup_steps or --config.warmup_epochs, not both.")
+  if c.weight_prediction and c.parallelism != "data":
+    raise ValueError(
+        f"--config.weight_prediction runs in the update-rule engine only, not under "
+        f"parallelism={c.parallelism!r}: set --config.parallelism=data or "
+        "--config.weight_prediction=False.")
   if c.grad_clip_norm and c.parallelism != "data":
     raise ValueError(
         f"--config.grad_clip_norm={c.grad_clip_norm} clips by the norm over all stages, but "

@@ -114,16 +114,27 @@ def _is_none(x) -> bool:
   return x is None
 
 
-def stale_depths(delays, stage_of_leaf, num_stale: int) -> list[int]:
+def stale_depths(delays, stage_of_leaf, num_stale: int, predict: bool = False) -> list[int]:
   """Per parameter leaf, how many stale versions some worker reads: ``max_i d[i, stage]``.
 
   A leaf whose stage every worker reads fresh keeps no stale copy. With delays
-  that are data (``delays is None``) every leaf keeps all ``num_stale``.
+  that are data (``delays is None``) every leaf keeps all ``num_stale``. With
+  weight prediction (`executor.RulePlan`) a stage read stale keeps one more.
   """
   if delays is None:
     return [num_stale] * len(stage_of_leaf)
   deepest = np.max(delays, axis=0, initial=0)
+  deepest = deepest + (deepest > 0) * bool(predict)
   return [int(deepest[stage]) for stage in stage_of_leaf]
+
+
+def _read(ages, k: int, age: int, predict: bool):
+  """Leaf ``k`` as a worker ``age`` steps stale reads it: ``theta_{t-age}``, or with weight
+  prediction ``theta_{t-age} + age * (theta_{t-age} - theta_{t-age-1})``."""
+  leaf = ages[age][k]
+  if not predict or age == 0:
+    return leaf
+  return leaf + age * (leaf - ages[age + 1][k])
 
 
 def _version_leaves(state) -> list[list]:
@@ -132,7 +143,7 @@ def _version_leaves(state) -> list[list]:
           for tree in (state.params,) + tuple(state.stale_params)]
 
 
-def _worker_view(ages, stage_of_leaf, delays, axis_name, given=None):
+def _worker_view(ages, stage_of_leaf, delays, axis_name, given=None, predict=False):
   """This worker's parameter leaves: the leaf of stage ``j`` taken from age ``d[i, j]``.
 
   ``ages[a]`` holds the leaves of ``theta_{t-a}``; ``given`` (``{leaf: view}``)
@@ -152,14 +163,14 @@ def _worker_view(ages, stage_of_leaf, delays, axis_name, given=None):
       view.append(given[k])
       continue
     column = sorted(set(delays[:, stage].tolist()))
-    leaf = jax.lax.pcast(ages[column[0]][k], axis_name, to="varying")
+    leaf = jax.lax.pcast(_read(ages, k, column[0], predict), axis_name, to="varying")
     for age in column[1:]:  # No select where every worker reads the same version.
-      leaf = jnp.where(row[stage] == age, ages[age][k], leaf)
+      leaf = jnp.where(row[stage] == age, _read(ages, k, age, predict), leaf)
     view.append(leaf)
   return view
 
 
-def _dynamic_worker_view(ages, stage_of_leaf, delays_NxJ, axis_name):
+def _dynamic_worker_view(ages, stage_of_leaf, delays_NxJ, axis_name, predict=False):
   """``_worker_view`` for a delay matrix that is data: ``D`` selects per leaf.
 
   ``delays_NxJ`` is a traced int32 array, so the step serves every matrix with
@@ -169,8 +180,8 @@ def _dynamic_worker_view(ages, stage_of_leaf, delays_NxJ, axis_name):
   view = []
   for k, stage in enumerate(stage_of_leaf):
     leaf = jax.lax.pcast(ages[0][k], axis_name, to="varying")
-    for age in range(1, len(ages)):
-      leaf = jnp.where(row[stage] == age, ages[age][k], leaf)
+    for age in range(1, len(ages) - bool(predict)):  # With prediction the last is for reads.
+      leaf = jnp.where(row[stage] == age, _read(ages, k, age, predict), leaf)
     view.append(leaf)
   return view
 
@@ -426,7 +437,7 @@ def _resolve_rule(rule, stage_ids, num_workers: int, rotate: bool) -> _Rule:
     num_stages = int(np.shape(given)[1]) if np.ndim(given) == 2 else 0
   plan = executor_lib.resolve(rule, "data", num_workers, num_stages)
   stage_of_leaf = _check_stage_ids(stage_ids, num_stages)
-  depths = tuple(stale_depths(plan.delays, stage_of_leaf, plan.num_stale))
+  depths = tuple(stale_depths(plan.delays, stage_of_leaf, plan.num_stale, plan.predict))
   return _Rule(plan, num_workers, num_stages, stage_of_leaf, _Slots(depths, rotate))
 
 
@@ -453,9 +464,9 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
     treedef = jax.tree.structure(state.params, is_leaf=_is_none)
     ages = slots.ages(_version_leaves(state), phase)
     if r.dynamic:
-      view = _dynamic_worker_view(ages, r.stage_of_leaf, delays_NxJ, axis_name)
+      view = _dynamic_worker_view(ages, r.stage_of_leaf, delays_NxJ, axis_name, r.plan.predict)
     else:
-      view = _worker_view(ages, r.stage_of_leaf, r.delays, axis_name, given)
+      view = _worker_view(ages, r.stage_of_leaf, r.delays, axis_name, given, r.plan.predict)
     view = jax.tree.unflatten(treedef, view)
     model_state = state.model_state
     if sharded:  # Gathered in the worker: its gradients (and new model state) come out whole.

@@ -98,12 +98,17 @@ class RulePlan(NamedTuple):
     timetable: what is executed: ``lockstep`` (the engine), ``gpipe`` or
       ``zero3`` (the flushed baselines, for a rule without delays) or ``cyclic``;
       ``dp+mp`` only when asked for by name.
+    predict: weight prediction: a stale read of ``theta_{t-d}`` uses
+      ``theta_{t-d} + d * (theta_{t-d} - theta_{t-d-1})``, an estimate of
+      ``theta_t`` from the last step known at the read (PipeMare's, for CDP's
+      per-(worker, stage) delays). A stage read stale keeps one more version.
   """
   rule: Any
   parallelism: str
   delays: np.ndarray
   num_stale: int
   timetable: str
+  predict: bool = False
 
   def describe(self) -> str:
     """One line for the log: the rule and what runs it."""
@@ -112,11 +117,13 @@ class RulePlan(NamedTuple):
     else:
       name = self.rule if isinstance(self.rule, str) else "a custom delay matrix"
       n, j = self.delays.shape
-    return f"rule {name} (N={n}, J={j}) runs as {DESCRIPTIONS[self.parallelism, self.timetable]}"
+    with_prediction = " with weight prediction" if self.predict else ""
+    return (f"rule {name} (N={n}, J={j}){with_prediction} runs as "
+            f"{DESCRIPTIONS[self.parallelism, self.timetable]}")
 
 
 def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
-            timetable: str | None = None) -> RulePlan:
+            timetable: str | None = None, predict: bool = False) -> RulePlan:
   """Resolves ``rule`` for ``parallelism``: delays, stale versions and timetable.
 
   A rule without delays (``dp``) runs GPipe under ``model`` and ZeRO-3 under
@@ -128,7 +135,8 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
 
   The one place a rule is resolved: a run resolves it once and hands the plan
   on; given a ``RulePlan``, this checks that it is for ``parallelism``, ``N``
-  and ``J`` and returns it.
+  and ``J`` and returns it. ``predict``: weight prediction (`RulePlan`), which
+  the engine (``parallelism='data'``) runs.
   """
   if isinstance(rule, RulePlan):
     shape = ((rule.rule.num_workers, rule.rule.num_stages) if rule.delays is None
@@ -138,17 +146,24 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
           f"The rule's plan is for parallelism={rule.parallelism!r} with (N, J) = {shape}, not "
           f"{parallelism!r} with ({num_workers}, {num_stages}): resolve the rule for this run "
           "(executor.resolve).")
-    if timetable in (None, rule.timetable):
+    if timetable in (None, rule.timetable) and predict in (False, rule.predict):
       return rule
-    rule = rule.rule
+    rule, predict = rule.rule, predict or rule.predict
   if parallelism not in PARALLELISMS:
     raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
+  if predict and parallelism != "data":
+    raise ValueError(f"Weight prediction runs in the engine only, not under "
+                     f"parallelism={parallelism!r}: use parallelism='data', or turn "
+                     "weight_prediction off.")
   if isinstance(rule, schedule.DelayRule):  # New delays every step: only the engine runs them.
     if parallelism != "data":
       schedule.resolve(rule, num_workers, num_stages)  # Raises the error naming the fix.
-    return RulePlan(rule, parallelism, None, rule.max_delay, "lockstep")
+    return RulePlan(rule, parallelism, None, rule.max_delay + bool(predict), "lockstep",
+                    bool(predict))
   delays = schedule.resolve(rule, num_workers, num_stages)
   num_stale = schedule.max_delay(rule)
+  if predict and num_stale:
+    num_stale += 1  # theta_{t-d-1}, for the last step known at a read d steps stale.
   flushed, cyclic = TIMETABLES[parallelism]
   default = flushed if delays.max(initial=0) == 0 else cyclic
   if timetable not in (None, default):
@@ -168,7 +183,7 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
         f"Rule {rule!r} is not causal on the cyclic timetable: some forward would read a stage "
         "version that is not updated yet. Use cdp-v1 or cdp-v2, dp (which runs "
         f"{flushed}), or parallelism='data'.")
-  return RulePlan(rule, parallelism, delays, num_stale, default)
+  return RulePlan(rule, parallelism, delays, num_stale, default, bool(predict))
 
 
 def check_versions(state, plan: RulePlan) -> None:

@@ -67,7 +67,7 @@ def _backward(e, carry, vjps):
 def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Sequence[Any],
              tx: optax.GradientTransformation, batches: Sequence[Sequence[tuple]],
              rule, *, speeds=None, jitter=None, max_delay: int = 1,
-             timetable: str | None = None) -> Simulation:
+             timetable: str | None = None, weight_prediction: bool = False) -> Simulation:
   """Runs ``len(batches)`` training steps of ``rule``, one timeline event at a time.
 
   Events run in time order; a backward's gradient counts from its end (its
@@ -99,6 +99,9 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
     timetable: run the events that an executor runs instead of the timeline:
       ``cyclic`` (CDP+MP, ``N = J``), ``gpipe`` or ``dp+mp``
       (`plan.executed_events`), with equal speeds.
+    weight_prediction: a forward of step ``t`` that reads ``theta_v``, ``d = t - v``
+      steps stale, computes with ``theta_v + d * (theta_v - theta_{v-1})``
+      (``theta_{-1} = theta_0``), from the versions produced by then.
 
   Returns:
     A ``Simulation``.
@@ -143,7 +146,11 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
           raise AssertionError(f"{e} read version {v} produced by the simulation.")
       elif v >= len(ready) or ready[v][0] > e.slot:
         raise AssertionError(f"{e} needs a version the simulation has not produced yet.")
-      _forward(e, ready[v][1], stage_fns, loss_fn, batches, carry, vjps, worker_losses)
+      theta, stale = ready[v][1], e.step - v
+      if weight_prediction and stale:
+        last = ready[max(v - 1, 0)][1]
+        theta = jax.tree.map(lambda a, b: a + stale * (a - b), theta, last)
+      _forward(e, theta, stage_fns, loss_fn, batches, carry, vjps, worker_losses)
     else:
       grad = _backward(e, carry, vjps)
       count, total = grad_sums.pop((e.step, j), (0, None))
