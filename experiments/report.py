@@ -160,7 +160,9 @@ def bench_overlap_rows(data: dict) -> list[Row]:
 
 def tpu_plan_rows(data: dict) -> list[Row]:
   """Issue 34's goals of the compiled TPU programs, per model."""
-  rows = []
+  missing = data.get("not_compiled") or []
+  rows = [Row("points of the plan compiled", "all", f"{len(data['rows'])}"
+              + (f"; not yet: {', '.join(missing)}" if missing else ""), not missing)]
   by_model: dict[str, dict] = {}
   for r in data["rows"]:
     by_model.setdefault(f"{r['model']} {r['topology']}", {})[r["strategy"]] = r

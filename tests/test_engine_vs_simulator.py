@@ -162,5 +162,29 @@ def test_weight_prediction_with_delays_that_are_data():
 
 def test_weight_prediction_is_refused_outside_the_engine():
   for parallelism in ("model", "zero"):
-    with pytest.raises(ValueError, match="Weight prediction runs in the engine only"):
+    with pytest.raises(ValueError, match="Delay compensation .* runs in the engine only"):
       executor.resolve("cdp-v2", parallelism, 2, 2, predict=True)
+    with pytest.raises(ValueError, match="Delay compensation .* runs in the engine only"):
+      executor.resolve("cdp-v2", parallelism, 2, 2, dc_lambda=0.5)
+
+
+@pytest.mark.parametrize("rule,predict", [("cdp-v1", False), ("cdp-v2", False), ("cdp-v2", True)])
+def test_dc_asgd_correction_equals_simulator(rule, predict):
+  """Each worker's stale gradient g counts as g + lambda g^2 (theta_t - theta_read)."""
+  num_workers, num_stages, steps, lam = 4, 4, 5, 2.0
+  rng = np.random.default_rng(3)
+  stage_params, sim_batches, batches = _problem(rng, num_workers, num_stages, steps)
+  mesh = jax.make_mesh((num_workers,), ("data",), devices=jax.devices()[:num_workers])
+  tx = optax.sgd(0.3, momentum=0.9)
+  plan = executor.resolve(rule, "data", num_workers, num_stages, predict=predict, dc_lambda=lam)
+  step = engine.make_train_step(_chain_loss, tx, stage_ids=stages.grouped(stage_params),
+                                rule=plan, mesh=mesh, scan_steps=steps)
+  state, metrics = step(engine.init_state(stage_params, tx, rule=plan), batches)
+  ref = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params, tx, sim_batches,
+                          rule, weight_prediction=predict, dc_lambda=lam)
+  plain = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params, tx, sim_batches,
+                            rule, weight_prediction=predict)
+  assert np.abs(ref.losses - plain.losses).max() > 1e-4  # The correction changes the run.
+  np.testing.assert_allclose(metrics["loss"], ref.losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               state.params, ref.params)

@@ -103,6 +103,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Delay compensation (parallelism=data): a stale read of theta_{t-d} uses
   # theta_{t-d} + d * (theta_{t-d} - theta_{t-d-1}); a stage read stale keeps one more version.
   c.weight_prediction = False
+  # DC-ASGD's correction (parallelism=data): a worker's gradient g of a stage it read stale counts
+  # as g + dc_lambda * g * g * (theta_t - theta_read); 0 is off.
+  c.dc_lambda = 0.0
 
   c.seed = 0
   # Also evaluate and save the authors' final model (the mean over workers of
@@ -190,11 +193,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
         "devices of the mesh (evaluation is sharded over them).")
   if c.warmup_steps and c.warmup_epochs:
     raise ValueError("Set --config.warmup_steps or --config.warmup_epochs, not both.")
-  if c.weight_prediction and c.parallelism != "data":
-    raise ValueError(
-        f"--config.weight_prediction runs in the update-rule engine only, not under "
-        f"parallelism={c.parallelism!r}: set --config.parallelism=data or "
-        "--config.weight_prediction=False.")
+  if c.dc_lambda < 0:
+    raise ValueError(f"--config.dc_lambda must be >= 0 (0: off), got {c.dc_lambda}.")
+  for key, off in (("weight_prediction", False), ("dc_lambda", 0.0)):
+    if c[key] != off and c.parallelism != "data":
+      raise ValueError(
+          f"--config.{key} runs in the update-rule engine only, not under "
+          f"parallelism={c.parallelism!r}: set --config.parallelism=data or "
+          f"--config.{key}={off}.")
   if c.grad_clip_norm and c.parallelism != "data":
     raise ValueError(
         f"--config.grad_clip_norm={c.grad_clip_norm} clips by the norm over all stages, but "

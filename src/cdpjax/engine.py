@@ -477,6 +477,11 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
           view, model_state, batch)
     else:
       loss, grads = jax.value_and_grad(loss_fn)(view, batch)
+    if r.plan.dc_lambda:  # DC-ASGD: g + lambda g^2 (theta_t - theta_read), per worker.
+      fresh = [jax.lax.pcast(x, axis_name, to="varying") for x in ages[0]]
+      grads = jax.tree.unflatten(treedef, [
+          g + r.plan.dc_lambda * g * g * (t - v)
+          for g, t, v in zip(jax.tree.leaves(grads), fresh, jax.tree.leaves(view))])
     grads, (loss, model_state) = _reduce_by_stage(
         grads, r.stage_of_leaf, r.num_stages, (loss, model_state), axis_name, r.num_workers)
     current = jax.tree.unflatten(treedef, ages[0])

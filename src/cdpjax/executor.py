@@ -102,6 +102,11 @@ class RulePlan(NamedTuple):
       ``theta_{t-d} + d * (theta_{t-d} - theta_{t-d-1})``, an estimate of
       ``theta_t`` from the last step known at the read (PipeMare's, for CDP's
       per-(worker, stage) delays). A stage read stale keeps one more version.
+    dc_lambda: DC-ASGD's gradient correction (Zheng et al., 2017): a worker's
+      gradient ``g`` of a stage it read as ``theta_read`` counts as
+      ``g + dc_lambda * g * g * (theta_t - theta_read)`` in the update of
+      ``theta_t`` (a first-order Taylor step with the diagonal ``g * g`` for
+      the Hessian); 0 is off.
   """
   rule: Any
   parallelism: str
@@ -109,6 +114,7 @@ class RulePlan(NamedTuple):
   num_stale: int
   timetable: str
   predict: bool = False
+  dc_lambda: float = 0.0
 
   def describe(self) -> str:
     """One line for the log: the rule and what runs it."""
@@ -117,13 +123,15 @@ class RulePlan(NamedTuple):
     else:
       name = self.rule if isinstance(self.rule, str) else "a custom delay matrix"
       n, j = self.delays.shape
-    with_prediction = " with weight prediction" if self.predict else ""
+    with_prediction = (" with weight prediction" * self.predict
+                       + f" with DC-ASGD correction {self.dc_lambda:g}" * bool(self.dc_lambda))
     return (f"rule {name} (N={n}, J={j}){with_prediction} runs as "
             f"{DESCRIPTIONS[self.parallelism, self.timetable]}")
 
 
 def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
-            timetable: str | None = None, predict: bool = False) -> RulePlan:
+            timetable: str | None = None, predict: bool = False,
+            dc_lambda: float = 0.0) -> RulePlan:
   """Resolves ``rule`` for ``parallelism``: delays, stale versions and timetable.
 
   A rule without delays (``dp``) runs GPipe under ``model`` and ZeRO-3 under
@@ -135,8 +143,8 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
 
   The one place a rule is resolved: a run resolves it once and hands the plan
   on; given a ``RulePlan``, this checks that it is for ``parallelism``, ``N``
-  and ``J`` and returns it. ``predict``: weight prediction (`RulePlan`), which
-  the engine (``parallelism='data'``) runs.
+  and ``J`` and returns it. ``predict`` and ``dc_lambda``: the delay
+  compensations of `RulePlan`, which the engine (``parallelism='data'``) runs.
   """
   if isinstance(rule, RulePlan):
     shape = ((rule.rule.num_workers, rule.rule.num_stages) if rule.delays is None
@@ -146,20 +154,22 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
           f"The rule's plan is for parallelism={rule.parallelism!r} with (N, J) = {shape}, not "
           f"{parallelism!r} with ({num_workers}, {num_stages}): resolve the rule for this run "
           "(executor.resolve).")
-    if timetable in (None, rule.timetable) and predict in (False, rule.predict):
+    if (timetable in (None, rule.timetable) and predict in (False, rule.predict)
+        and dc_lambda in (0.0, rule.dc_lambda)):
       return rule
-    rule, predict = rule.rule, predict or rule.predict
+    rule, predict, dc_lambda = rule.rule, predict or rule.predict, dc_lambda or rule.dc_lambda
   if parallelism not in PARALLELISMS:
     raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
-  if predict and parallelism != "data":
-    raise ValueError(f"Weight prediction runs in the engine only, not under "
-                     f"parallelism={parallelism!r}: use parallelism='data', or turn "
-                     "weight_prediction off.")
+  if (predict or dc_lambda) and parallelism != "data":
+    raise ValueError(f"Delay compensation (weight prediction, DC-ASGD) runs in the engine only, "
+                     f"not under parallelism={parallelism!r}: use parallelism='data', or turn "
+                     "weight_prediction and dc_lambda off.")
+  compensation = dict(predict=bool(predict), dc_lambda=float(dc_lambda))
   if isinstance(rule, schedule.DelayRule):  # New delays every step: only the engine runs them.
     if parallelism != "data":
       schedule.resolve(rule, num_workers, num_stages)  # Raises the error naming the fix.
     return RulePlan(rule, parallelism, None, rule.max_delay + bool(predict), "lockstep",
-                    bool(predict))
+                    **compensation)
   delays = schedule.resolve(rule, num_workers, num_stages)
   num_stale = schedule.max_delay(rule)
   if predict and num_stale:
@@ -183,7 +193,7 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
         f"Rule {rule!r} is not causal on the cyclic timetable: some forward would read a stage "
         "version that is not updated yet. Use cdp-v1 or cdp-v2, dp (which runs "
         f"{flushed}), or parallelism='data'.")
-  return RulePlan(rule, parallelism, delays, num_stale, default, bool(predict))
+  return RulePlan(rule, parallelism, delays, num_stale, default, **compensation)
 
 
 def check_versions(state, plan: RulePlan) -> None:

@@ -9,6 +9,7 @@ numbers are checked against it.
 """
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -67,7 +68,8 @@ def _backward(e, carry, vjps):
 def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Sequence[Any],
              tx: optax.GradientTransformation, batches: Sequence[Sequence[tuple]],
              rule, *, speeds=None, jitter=None, max_delay: int = 1,
-             timetable: str | None = None, weight_prediction: bool = False) -> Simulation:
+             timetable: str | None = None, weight_prediction: bool = False,
+             dc_lambda: float = 0.0) -> Simulation:
   """Runs ``len(batches)`` training steps of ``rule``, one timeline event at a time.
 
   Events run in time order; a backward's gradient counts from its end (its
@@ -102,6 +104,9 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
     weight_prediction: a forward of step ``t`` that reads ``theta_v``, ``d = t - v``
       steps stale, computes with ``theta_v + d * (theta_v - theta_{v-1})``
       (``theta_{-1} = theta_0``), from the versions produced by then.
+    dc_lambda: DC-ASGD's correction: each worker's gradient ``g`` of a stage it
+      read as ``theta_read`` counts as ``g + dc_lambda * g * g * (theta_t -
+      theta_read)`` in the update of ``theta_t``.
 
   Returns:
     A ``Simulation``.
@@ -131,7 +136,8 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
 
   versions = [[(Fraction(0), p)] for p in stage_params]  # Per stage: (ready slot, theta_v).
   opt_states = [tx.init(p) for p in stage_params]
-  grad_sums = {}  # (step, stage) -> (count, sum of the workers' gradients).
+  grad_sums = {}  # (step, stage) -> the workers' (gradient, parameters read) so far.
+  reads = {}  # (worker, step, stage) -> the parameters its forward read.
   vjps = {}  # (worker, step, stage) -> vjp holding the weights and input of the forward.
   carry = {}  # (worker, step) -> activation going up or cotangent going down.
   worker_losses = np.zeros((num_steps, num_workers))
@@ -150,15 +156,18 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
       if weight_prediction and stale:
         last = ready[max(v - 1, 0)][1]
         theta = jax.tree.map(lambda a, b: a + stale * (a - b), theta, last)
+      reads[(e.worker, e.step, j)] = theta
       _forward(e, theta, stage_fns, loss_fn, batches, carry, vjps, worker_losses)
     else:
-      grad = _backward(e, carry, vjps)
-      count, total = grad_sums.pop((e.step, j), (0, None))
-      total = grad if total is None else jax.tree.map(jnp.add, total, grad)
-      if count + 1 < num_workers:
-        grad_sums[(e.step, j)] = (count + 1, total)
+      grads = grad_sums.setdefault((e.step, j), [])
+      grads.append((_backward(e, carry, vjps), reads.pop((e.worker, e.step, j))))
+      if len(grads) < num_workers:
         continue
+      del grad_sums[(e.step, j)]
       theta = versions[j][e.step][1]
+      corrected = [jax.tree.map(lambda g, t, r: g + dc_lambda * g * g * (t - r), g, theta, read)
+                   if dc_lambda else g for g, read in grads]
+      total = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), corrected)
       mean = jax.tree.map(lambda g: g / num_workers, total)
       updates, opt_states[j] = tx.update(mean, opt_states[j], theta)
       versions[j].append((e.end, optax.apply_updates(theta, updates)))
