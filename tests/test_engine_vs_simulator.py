@@ -23,28 +23,15 @@ def micro_loss(out, y):
 @pytest.mark.parametrize("num_workers", [1, 2, 4, 8])
 def test_engine_equals_simulator(num_workers, num_stages):
   rng = np.random.default_rng(num_workers * 10 + num_stages)
-  stage_params = [{"w": rng.normal(size=(WIDTH, WIDTH)).astype(np.float32) * 0.7,
-                   "b": rng.normal(size=(WIDTH,)).astype(np.float32) * 0.1}
-                  for _ in range(num_stages)]
-  xs = rng.normal(size=(STEPS, num_workers, 2, WIDTH)).astype(np.float32)
-  ys = rng.normal(size=(STEPS, num_workers, 2, WIDTH)).astype(np.float32)
-  sim_batches = [[(xs[t, i], ys[t, i]) for i in range(num_workers)] for t in range(STEPS)]
-
-  def loss_fn(params, batch):  # The same network as one function of all stages.
-    h = batch["x"]
-    for p in params:
-      h = stage_fn(p, h)
-    return micro_loss(h, batch["y"])
-
+  stage_params, sim_batches, batches = _problem(rng, num_workers, num_stages, STEPS)
   stage_ids = stages.grouped(stage_params)
   mesh = jax.make_mesh((num_workers,), ("data",), devices=jax.devices()[:num_workers])
-  batches = {"x": xs.reshape(STEPS, -1, WIDTH), "y": ys.reshape(STEPS, -1, WIDTH)}
   # One compiled engine step serves SGD and SGD+momentum: momentum is a state
   # value, and momentum 0 is plain SGD exactly (g + 0 * trace == g).
   tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.3, momentum=0.9)
   rules = ["dp", "cdp-v1", "cdp-v2"] + (["cdp-v2-paper"] if num_workers != num_stages else [])
   for rule in rules:
-    step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
+    step = engine.make_train_step(_chain_loss, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
                                   scan_steps=STEPS)
     for momentum in (None, 0.9):
       ref = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params,
@@ -104,6 +91,7 @@ def _problem(rng, num_workers, num_stages, steps):
 
 
 def _chain_loss(params, batch):
+  """The same network as one function of all stages."""
   h = batch["x"]
   for p in params:
     h = stage_fn(p, h)
