@@ -154,25 +154,53 @@ def test_weight_prediction_is_refused_outside_the_engine():
       executor.resolve("cdp-v2", parallelism, 2, 2, predict=True)
     with pytest.raises(ValueError, match="Delay compensation .* runs in the engine only"):
       executor.resolve("cdp-v2", parallelism, 2, 2, dc_lambda=0.5)
+    with pytest.raises(ValueError, match="Delay compensation .* runs in the engine only"):
+      executor.resolve("cdp-v2", parallelism, 2, 2, lr_delay_scale=0.5)
 
 
-@pytest.mark.parametrize("rule,predict", [("cdp-v1", False), ("cdp-v2", False), ("cdp-v2", True)])
-def test_dc_asgd_correction_equals_simulator(rule, predict):
-  """Each worker's stale gradient g counts as g + lambda g^2 (theta_t - theta_read)."""
+@pytest.mark.parametrize("rule,predict,scale", [
+    ("cdp-v1", False, 0.0), ("cdp-v2", False, 0.0), ("cdp-v2", True, 0.0), ("cdp-v2", False, 1.0),
+    ("cdp-v1", True, 1.0)])
+def test_dc_asgd_correction_and_delay_scaled_lr_equal_simulator(rule, predict, scale):
+  """Each worker's stale gradient g counts as g + lambda g^2 (theta_t - theta_read); with
+  ``scale``, stage j's update is scaled by 1 / (1 + scale * mean_i d[i, j])."""
   num_workers, num_stages, steps, lam = 4, 4, 5, 2.0
   rng = np.random.default_rng(3)
   stage_params, sim_batches, batches = _problem(rng, num_workers, num_stages, steps)
   mesh = jax.make_mesh((num_workers,), ("data",), devices=jax.devices()[:num_workers])
   tx = optax.sgd(0.3, momentum=0.9)
-  plan = executor.resolve(rule, "data", num_workers, num_stages, predict=predict, dc_lambda=lam)
+  plan = executor.resolve(rule, "data", num_workers, num_stages, predict=predict, dc_lambda=lam,
+                          lr_delay_scale=scale)
   step = engine.make_train_step(_chain_loss, tx, stage_ids=stages.grouped(stage_params),
                                 rule=plan, mesh=mesh, scan_steps=steps)
   state, metrics = step(engine.init_state(stage_params, tx, rule=plan), batches)
   ref = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params, tx, sim_batches,
-                          rule, weight_prediction=predict, dc_lambda=lam)
+                          rule, weight_prediction=predict, dc_lambda=lam, lr_delay_scale=scale)
   plain = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params, tx, sim_batches,
                             rule, weight_prediction=predict)
   assert np.abs(ref.losses - plain.losses).max() > 1e-4  # The correction changes the run.
+  np.testing.assert_allclose(metrics["loss"], ref.losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               state.params, ref.params)
+
+
+def test_delay_scaled_lr_with_delays_that_are_data():
+  """The scale follows each step's delay matrix (a schedule.DelayRule: data, not constants)."""
+  num_workers, num_stages, steps, bound, scale = 4, 3, 6, 2, 0.5
+  speeds = [1.0, 1.25, 1.0, 0.5]
+  rng = np.random.default_rng(7)
+  jitter = rng.uniform(0, 0.5, size=(steps, num_workers))
+  stage_params, sim_batches, batches = _problem(rng, num_workers, num_stages, steps)
+  tx = optax.sgd(0.3, momentum=0.9)
+  ref = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params, tx, sim_batches,
+                          "cdp-v2", speeds=speeds, jitter=jitter, max_delay=bound,
+                          lr_delay_scale=scale)
+  rule = schedule.timeline_rule(speeds, num_stages, steps, jitter=jitter, max_delay=bound)
+  plan = executor.resolve(rule, "data", num_workers, num_stages, lr_delay_scale=scale)
+  mesh = jax.make_mesh((num_workers,), ("data",), devices=jax.devices()[:num_workers])
+  step = engine.make_train_step(_chain_loss, tx, stage_ids=stages.grouped(stage_params),
+                                rule=plan, mesh=mesh, scan_steps=steps)
+  state, metrics = step(engine.init_state(stage_params, tx, rule=plan), batches)
   np.testing.assert_allclose(metrics["loss"], ref.losses, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                state.params, ref.params)

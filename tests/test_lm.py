@@ -275,6 +275,8 @@ def test_weight_prediction_departs_from_the_straight_run_at_step_four(straight_r
     config_lib.validate(lm_config("smoke,parallelism=model", dc_lambda=0.1))
   with pytest.raises(ValueError, match="dc_lambda must be >= 0"):
     config_lib.validate(lm_config("smoke", dc_lambda=-1.0))
+  with pytest.raises(ValueError, match="lr_delay_scale runs in the update-rule engine only"):
+    config_lib.validate(lm_config("smoke,parallelism=zero", lr_delay_scale=0.5))
 
 
 def test_lm_resume_three_plus_three_equals_six_straight_steps(straight_run, tmp_path):

@@ -106,6 +106,9 @@ def base_config() -> ml_collections.ConfigDict:
   # DC-ASGD's correction (parallelism=data): a worker's gradient g of a stage it read stale counts
   # as g + dc_lambda * g * g * (theta_t - theta_read); 0 is off.
   c.dc_lambda = 0.0
+  # A delay-aware learning rate (parallelism=data): stage j's update is scaled by
+  # 1 / (1 + lr_delay_scale * mean_i d[i, j]); 0 is off.
+  c.lr_delay_scale = 0.0
 
   c.seed = 0
   # Also evaluate and save the authors' final model (the mean over workers of
@@ -193,9 +196,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
         "devices of the mesh (evaluation is sharded over them).")
   if c.warmup_steps and c.warmup_epochs:
     raise ValueError("Set --config.warmup_steps or --config.warmup_epochs, not both.")
-  if c.dc_lambda < 0:
-    raise ValueError(f"--config.dc_lambda must be >= 0 (0: off), got {c.dc_lambda}.")
-  for key, off in (("weight_prediction", False), ("dc_lambda", 0.0)):
+  for key in ("dc_lambda", "lr_delay_scale"):
+    if c[key] < 0:
+      raise ValueError(f"--config.{key} must be >= 0 (0: off), got {c[key]}.")
+  for key, off in (("weight_prediction", False), ("dc_lambda", 0.0), ("lr_delay_scale", 0.0)):
     if c[key] != off and c.parallelism != "data":
       raise ValueError(
           f"--config.{key} runs in the update-rule engine only, not under "

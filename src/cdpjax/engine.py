@@ -488,6 +488,12 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
     if sharded:
       grads = jax.tree.map(_resharded_like, grads, current)
     updates, opt_state = tx.update(grads, state.opt_state, current)
+    if r.plan.lr_delay_scale:  # A delay-aware learning rate: 1 / (1 + c * mean_i d[i, j]).
+      delays = delays_NxJ if r.dynamic else jnp.asarray(r.delays)
+      delays = jnp.minimum(delays, state.step).astype(jnp.float32)  # theta_{t-d}, t-d < 0: theta_0.
+      scale = 1.0 / (1.0 + r.plan.lr_delay_scale * jnp.mean(delays, axis=0))
+      updates = jax.tree.unflatten(treedef, [u * scale[stage].astype(u.dtype) for u, stage in zip(
+          jax.tree.leaves(updates), r.stage_of_leaf)])
     params = optax.apply_updates(current, updates)
     metrics = {"loss": loss, **_norms(want_norms, grads, params, r.stage_of_leaf, r.num_stages)}
     if r.dynamic:

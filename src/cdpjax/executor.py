@@ -107,6 +107,9 @@ class RulePlan(NamedTuple):
       ``g + dc_lambda * g * g * (theta_t - theta_read)`` in the update of
       ``theta_t`` (a first-order Taylor step with the diagonal ``g * g`` for
       the Hessian); 0 is off.
+    lr_delay_scale: a delay-aware learning rate: stage ``j``'s update is scaled
+      by ``1 / (1 + lr_delay_scale * mean_i min(d[i, j], t))`` (the staleness of the
+      step's reads: ``theta_0`` is read fresh at first); 0 is off.
   """
   rule: Any
   parallelism: str
@@ -115,6 +118,7 @@ class RulePlan(NamedTuple):
   timetable: str
   predict: bool = False
   dc_lambda: float = 0.0
+  lr_delay_scale: float = 0.0
 
   def describe(self) -> str:
     """One line for the log: the rule and what runs it."""
@@ -124,14 +128,16 @@ class RulePlan(NamedTuple):
       name = self.rule if isinstance(self.rule, str) else "a custom delay matrix"
       n, j = self.delays.shape
     with_prediction = (" with weight prediction" * self.predict
-                       + f" with DC-ASGD correction {self.dc_lambda:g}" * bool(self.dc_lambda))
+                       + f" with DC-ASGD correction {self.dc_lambda:g}" * bool(self.dc_lambda)
+                       + f" with delay-scaled learning rate {self.lr_delay_scale:g}"
+                       * bool(self.lr_delay_scale))
     return (f"rule {name} (N={n}, J={j}){with_prediction} runs as "
             f"{DESCRIPTIONS[self.parallelism, self.timetable]}")
 
 
 def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
             timetable: str | None = None, predict: bool = False,
-            dc_lambda: float = 0.0) -> RulePlan:
+            dc_lambda: float = 0.0, lr_delay_scale: float = 0.0) -> RulePlan:
   """Resolves ``rule`` for ``parallelism``: delays, stale versions and timetable.
 
   A rule without delays (``dp``) runs GPipe under ``model`` and ZeRO-3 under
@@ -143,8 +149,9 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
 
   The one place a rule is resolved: a run resolves it once and hands the plan
   on; given a ``RulePlan``, this checks that it is for ``parallelism``, ``N``
-  and ``J`` and returns it. ``predict`` and ``dc_lambda``: the delay
-  compensations of `RulePlan`, which the engine (``parallelism='data'``) runs.
+  and ``J`` and returns it. ``predict``, ``dc_lambda`` and ``lr_delay_scale``:
+  the delay compensations of `RulePlan`, which the engine
+  (``parallelism='data'``) runs.
   """
   if isinstance(rule, RulePlan):
     shape = ((rule.rule.num_workers, rule.rule.num_stages) if rule.delays is None
@@ -155,16 +162,19 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
           f"{parallelism!r} with ({num_workers}, {num_stages}): resolve the rule for this run "
           "(executor.resolve).")
     if (timetable in (None, rule.timetable) and predict in (False, rule.predict)
-        and dc_lambda in (0.0, rule.dc_lambda)):
+        and dc_lambda in (0.0, rule.dc_lambda) and lr_delay_scale in (0.0, rule.lr_delay_scale)):
       return rule
-    rule, predict, dc_lambda = rule.rule, predict or rule.predict, dc_lambda or rule.dc_lambda
+    predict, dc_lambda = predict or rule.predict, dc_lambda or rule.dc_lambda
+    lr_delay_scale, rule = lr_delay_scale or rule.lr_delay_scale, rule.rule
   if parallelism not in PARALLELISMS:
     raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
-  if (predict or dc_lambda) and parallelism != "data":
-    raise ValueError(f"Delay compensation (weight prediction, DC-ASGD) runs in the engine only, "
-                     f"not under parallelism={parallelism!r}: use parallelism='data', or turn "
-                     "weight_prediction and dc_lambda off.")
-  compensation = dict(predict=bool(predict), dc_lambda=float(dc_lambda))
+  if (predict or dc_lambda or lr_delay_scale) and parallelism != "data":
+    raise ValueError(f"Delay compensation (weight prediction, DC-ASGD, a delay-scaled learning "
+                     f"rate) runs in the engine only, not under parallelism={parallelism!r}: use "
+                     "parallelism='data', or turn weight_prediction, dc_lambda and "
+                     "lr_delay_scale off.")
+  compensation = dict(predict=bool(predict), dc_lambda=float(dc_lambda),
+                      lr_delay_scale=float(lr_delay_scale))
   if isinstance(rule, schedule.DelayRule):  # New delays every step: only the engine runs them.
     if parallelism != "data":
       schedule.resolve(rule, num_workers, num_stages)  # Raises the error naming the fix.

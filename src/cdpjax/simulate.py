@@ -69,7 +69,7 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
              tx: optax.GradientTransformation, batches: Sequence[Sequence[tuple]],
              rule, *, speeds=None, jitter=None, max_delay: int = 1,
              timetable: str | None = None, weight_prediction: bool = False,
-             dc_lambda: float = 0.0) -> Simulation:
+             dc_lambda: float = 0.0, lr_delay_scale: float = 0.0) -> Simulation:
   """Runs ``len(batches)`` training steps of ``rule``, one timeline event at a time.
 
   Events run in time order; a backward's gradient counts from its end (its
@@ -107,6 +107,8 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
     dc_lambda: DC-ASGD's correction: each worker's gradient ``g`` of a stage it
       read as ``theta_read`` counts as ``g + dc_lambda * g * g * (theta_t -
       theta_read)`` in the update of ``theta_t``.
+    lr_delay_scale: stage ``j``'s update of step ``t`` is scaled by ``1 / (1 +
+      lr_delay_scale * mean_i d)``, ``d`` each worker's staleness at its read.
 
   Returns:
     A ``Simulation``.
@@ -156,20 +158,23 @@ def simulate(stage_fns: Sequence[Callable], loss_fn: Callable, stage_params: Seq
       if weight_prediction and stale:
         last = ready[max(v - 1, 0)][1]
         theta = jax.tree.map(lambda a, b: a + stale * (a - b), theta, last)
-      reads[(e.worker, e.step, j)] = theta
+      reads[(e.worker, e.step, j)] = (theta, stale)
       _forward(e, theta, stage_fns, loss_fn, batches, carry, vjps, worker_losses)
     else:
       grads = grad_sums.setdefault((e.step, j), [])
-      grads.append((_backward(e, carry, vjps), reads.pop((e.worker, e.step, j))))
+      grads.append((_backward(e, carry, vjps), *reads.pop((e.worker, e.step, j))))
       if len(grads) < num_workers:
         continue
       del grad_sums[(e.step, j)]
       theta = versions[j][e.step][1]
       corrected = [jax.tree.map(lambda g, t, r: g + dc_lambda * g * g * (t - r), g, theta, read)
-                   if dc_lambda else g for g, read in grads]
+                   if dc_lambda else g for g, read, _ in grads]
+      scale = 1.0 / (1.0 + lr_delay_scale * np.mean([stale for *_, stale in grads]))
       total = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), corrected)
       mean = jax.tree.map(lambda g: g / num_workers, total)
       updates, opt_states[j] = tx.update(mean, opt_states[j], theta)
+      if lr_delay_scale:
+        updates = jax.tree.map(lambda u: u * scale, updates)
       versions[j].append((e.end, optax.apply_updates(theta, updates)))
 
   history = [[versions[j][t][1] for j in range(num_stages)] for t in range(num_steps + 1)]

@@ -180,7 +180,7 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
   # The rule resolved once for the run (a DelayRule gives the engine each step's delays as data).
   plan = executor_lib.resolve(config_lib.delay_rule(c), c.parallelism, c.num_workers,
                               c.num_stages, predict=c.weight_prediction,
-                              dc_lambda=c.dc_lambda)
+                              dc_lambda=c.dc_lambda, lr_delay_scale=c.lr_delay_scale)
 
   def build(k):  # K = 1 is the step without scan (the engine then rotates its versions).
     return executors.build(
