@@ -87,8 +87,9 @@ def mean_std(best: dict, digits: int = 3) -> str:
   return f"{best['mean']:.{digits}f} ± {best['std']:.{digits}f}"
 
 
-def run_name(task, optimizer, rule, lr, warmup, seed) -> str:
-  return f"{task}_{optimizer}_{rule}_lr{lr:g}_wu{warmup:g}_seed{seed}"
+def run_name(task, optimizer, rule, lr, warmup, seed, variant: str = "") -> str:
+  """The run's file name; ``variant`` (e.g. a delay compensation) follows the rule."""
+  return f"{task}_{optimizer}_{rule}{variant and '_' + variant}_lr{lr:g}_wu{warmup:g}_seed{seed}"
 
 
 def score(run: dict) -> float:
@@ -100,10 +101,12 @@ def score(run: dict) -> float:
   return sign * value if ok else math.inf
 
 
-def train_one(task, optimizer, rule, lr, warmup, seed, extra, quick, out) -> dict:
-  """Trains one grid point afresh, writes and returns its ``runs/<name>.json``."""
+def train_one(task, optimizer, rule, lr, warmup, seed, extra, quick, out,
+              variant: str = "") -> dict:
+  """Trains one grid point afresh (``extra``: config keys), writes and returns its
+  ``runs/<name>.json``."""
   from cdpjax import train  # pylint: disable=g-import-not-at-top
-  name = run_name(task, optimizer, rule, lr, warmup, seed)
+  name = run_name(task, optimizer, rule, lr, warmup, seed, variant)
   c = load_config(task, rule, quick)
   key, final, _ = METRICS[task]
   c.seed, c.optimizer, c.learning_rate = seed, optimizer, lr

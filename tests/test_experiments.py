@@ -249,3 +249,18 @@ def test_lm_sweep(tmp_path):
   assert sweep.main(["--quick", "--task", "lm", "--results_dir", str(tmp_path)])["tasks"] == \
       saved["tasks"]
   assert {p.name: p.stat().st_mtime for p in (tmp_path / "runs").iterdir()} == mtimes
+
+
+def test_compensation_quick(tmp_path):
+  study = _script("compensation")
+  result = study.main(["--quick", "--results_dir", str(tmp_path)])
+  assert json.loads((tmp_path / "compensation.json").read_text())["table"] == result["table"]
+  table = result["table"]
+  assert set(table) == {"dp", *study.RULES} and set(table["cdp-v2"]) == set(study.QUICK_VARIANTS)
+  assert table["dp"]["none"]["gap_to_dp"] == 0.0
+  for rule in study.RULES:
+    row = table[rule]["predict"]
+    assert row["weight_prediction"] is True and row["n"] == 1 and 0 < row["mean"] < 9
+    assert row["gap_to_dp"] == pytest.approx(row["mean"] / table["dp"]["none"]["mean"] - 1)
+  assert len(list((tmp_path / "runs").iterdir())) == 1 + len(study.RULES) * len(
+      study.QUICK_VARIANTS)
