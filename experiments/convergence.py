@@ -22,6 +22,11 @@ same per-worker Hessians: the companion matrix for fixed delays (``dp``,
 
   python experiments/convergence.py              # 7 learning rates x 400 steps, thresholds
   python experiments/convergence.py --quick
+  python experiments/convergence.py --compensated --results_dir results/compensated_thresholds
+
+``--compensated`` measures only cdp-v1's and cdp-v2's thresholds with each
+delay compensation of ``COMPENSATIONS`` (weight prediction; a delay-scaled
+learning rate) against ``cdpjax.stability``'s prediction with the same option.
 """
 from __future__ import annotations
 
@@ -72,6 +77,9 @@ def main(argv=None) -> dict:
   p.add_argument("--async_stages", type=int, default=2)
   p.add_argument("--resolution", type=float, default=0.02,
                  help="Relative width at which the threshold bisection stops.")
+  p.add_argument("--compensated", action="store_true",
+                 help="Only the thresholds of cdp-v1 and cdp-v2 with each delay compensation "
+                      "(COMPENSATIONS), into compensated_thresholds.json.")
   args = p.parse_args(argv)
   if args.quick:
     args.num_steps, args.lr_fractions, args.resolution = 5, "0.45,0.75", 0.5
@@ -82,7 +90,7 @@ def main(argv=None) -> dict:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from cdpjax import engine, stages  # pylint: disable=g-import-not-at-top
+  from cdpjax import engine, schedule, stability, stages  # pylint: disable=g-import-not-at-top
 
   x, y = least_squares_problem(1797 // n * n)
   theta_star = np.linalg.lstsq(x.astype(np.float64), y, rcond=None)[0]
@@ -91,6 +99,18 @@ def main(argv=None) -> dict:
   rows = split_rows(x.shape[1], j)
   names = [f"stage{s}" for s in range(j)]
   mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+  if args.compensated:
+    rows_ = thresholds(x, y, rows, names, mesh, args)
+    result = {"problem": "least squares, digits pixels -> one-hot", "num_workers": n,
+              "num_stages": j, "L": lipschitz, "thresholds": rows_,
+              "plain_limits": {rule: stability.stability_limit(
+                  np.stack([xi.T @ xi / len(xi) for xi in np.split(x.astype(np.float64), n)]),
+                  np.concatenate([[s] * (r.stop - r.start) for s, r in enumerate(rows)]),
+                  schedule.delay_matrix(rule, n, j)) for rule in RULES},
+              "machine": _common.machine()}
+    _common.write_json(out / "compensated_thresholds.json", result)
+    print(threshold_table(rows_))
+    return result
   batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
 
   def loss_fn(params, b):
@@ -186,19 +206,25 @@ def async_runs(x, y, f_star, lipschitz, args) -> dict:
               *np.unique(profile.cdp_staleness[1:], return_counts=True))}}
 
 
-def threshold_rules(n: int, j: int, quick: bool) -> dict:
-  """The rules whose thresholds are measured: name -> rule for the engine."""
+COMPENSATIONS = {"prediction": {"predict": True}, "delay-scaled lr 1": {"lr_delay_scale": 1.0}}
+
+
+def threshold_rules(n: int, j: int, quick: bool, compensated: bool = False) -> dict:
+  """The rules whose thresholds are measured: name -> (rule, delay compensation)."""
   from cdpjax import schedule  # pylint: disable=g-import-not-at-top
-  rules = {name: name for name in RULES}
+  if compensated:  # Each fixed delayed rule with each compensation of COMPENSATIONS.
+    return {f"{rule} + {name}": (rule, comp) for rule in RULES[1:2 if quick else 3]
+            for name, comp in list(COMPENSATIONS.items())[:1 if quick else None]}
+  rules = {name: (name, {}) for name in RULES}
   if quick:
-    return {"cdp-v1": "cdp-v1", "random uniform D=2": schedule.random_rule(n, j, 2)}
-  rules.update({
+    return {"cdp-v1": ("cdp-v1", {}), "random uniform D=2": (schedule.random_rule(n, j, 2), {})}
+  rules.update({label: (rule, {}) for label, rule in {
       "random uniform D=2": schedule.random_rule(n, j, 2),
       "random geometric D=2": schedule.random_rule(n, j, 2, distribution="geometric"),
       "random uniform D=4": schedule.random_rule(n, j, 4),
       "straggler D=2": schedule.straggler_rule(n, j, 2),
       "straggler D=4": schedule.straggler_rule(n, j, 4),
-  })
+  }.items()})
   return rules
 
 
@@ -216,7 +242,7 @@ def thresholds(x, y, rows, names, mesh, args) -> list:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from cdpjax import engine, schedule, stability, stages  # pylint: disable=g-import-not-at-top
+  from cdpjax import engine, executor, schedule, stability, stages  # pylint: disable=g-import-not-at-top
   n, j = args.num_workers, args.num_stages
   x64 = x.astype(np.float64)
   hessians = np.stack([xi.T @ xi / len(xi) for xi in np.split(x64, n)])
@@ -233,14 +259,15 @@ def thresholds(x, y, rows, names, mesh, args) -> list:
     return 0.5 * jnp.mean(jnp.sum(jnp.square(pred - b["y"]), axis=1))
 
   out = []
-  for label, rule in threshold_rules(n, j, args.quick).items():
+  for label, (rule, comp) in threshold_rules(n, j, args.quick, args.compensated).items():
     if isinstance(rule, schedule.DelayRule) and label.startswith("random"):
       predicted = stability.random_rule_limit(hessians, stage_of_coord, rule, num_steps=num_steps)
       how = "simulated recursion, same draws"
     else:
       matrix = rule(0) if isinstance(rule, schedule.DelayRule) else schedule.delay_matrix(rule, n, j)
-      predicted = stability.stability_limit(hessians, stage_of_coord, matrix)
+      predicted = stability.stability_limit(hessians, stage_of_coord, matrix, **comp)
       how = "companion matrix"
+    rule = executor.resolve(rule, "data", n, j, **comp) if comp else rule
     step = engine.make_train_step(loss_fn, sgd(learning_rate=0.0), rule=rule, mesh=mesh,
                                   stage_ids=stages.grouped(init),
                                   scan_steps=chunk)

@@ -311,6 +311,24 @@ def lm_sweep_rows(data: dict) -> list[Row]:
   return rows
 
 
+def compensation_rows(data: dict) -> list[Row]:
+  """Each delay compensation's bits per byte against dp's; cdp-v2's best should be within 1%."""
+  table = data["table"]
+  best = min((v for v in table.get("cdp-v2", {}).values() if v["gap_to_dp"] is not None),
+             key=lambda v: v["gap_to_dp"], default=None)
+  rows = []
+  for rule, variants in table.items():
+    for variant, r in variants.items():
+      figure = (f"{r['mean']:.3f} ± {r['std']:.3f} ({r['n']} seed{'s' * (r['n'] != 1)})"
+                if r["mean"] is not None else "diverged")
+      if r["gap_to_dp"] is not None and rule != "dp":
+        figure += f"; {100 * r['gap_to_dp']:+.1f}% against dp"
+      what = f"{rule}, {variant}: eval bits/byte"
+      rows.append(Row(what, "within 1% of dp", figure, r["gap_to_dp"] <= 0.01) if r is best
+                  else _info(what, figure))
+  return rows
+
+
 def gradient_kink_rows(data: dict) -> list[Row]:
   """The dp step-2 gradient of the digits ResNet-18 near theta_1, in float32 and float64."""
   return [_info(f"{dtype}: step-2 gradient norm at theta_1 (data, model) and at theta_1 plus "
@@ -405,6 +423,11 @@ SECTIONS = (
             "best point: the LM quick start (eval bits/byte, lower is better) and the digits "
             "ResNet-18 (test accuracy). A run of hours, committed as it goes.",
             "python experiments/lm_sweep.py", lm_sweep_rows),
+    Section("compensation", "Delay compensation against DP on the LM (issue 35)",
+            "The LM quick start at AdamW's 2e-3 and 10% warm-up: dp, and cdp-v2 and cdp-v1 "
+            "plain, with weight prediction, DC-ASGD's correction (lambda 1), a delay-scaled "
+            "learning rate (c = 1) and prediction with DC (docs/delays.md).",
+            "python experiments/compensation.py", compensation_rows),
     Section("pod_plan", "Pod plan against the cost model: how to read it",
             "The figures behind the tpu_plan section's ratios.",
             "python experiments/tpu_plan.py", pod_plan_rows),

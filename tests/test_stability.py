@@ -40,6 +40,34 @@ def test_companion_matrix_agrees_with_the_closed_form(tau):
       stability.fixed_delay_limit(tau), abs=1e-4)
 
 
+@pytest.mark.parametrize("tau", [1, 2])
+def test_weight_prediction_limit_is_that_of_its_characteristic_polynomial(tau):
+  """Every read tau late and extrapolated: x_{t+1} = x_t - a ((1 + tau) x_{t-tau} - tau
+  x_{t-tau-1}); its limit from the roots of z^{tau+2} - z^{tau+1} + a (1 + tau) z - a tau."""
+  def radius(a):
+    coeffs = np.zeros(tau + 3)
+    coeffs[0], coeffs[1] = 1.0, -1.0
+    coeffs[tau + 1] += a * (1 + tau)
+    coeffs[tau + 2] -= a * tau
+    return np.abs(np.roots(coeffs)).max()
+  lo, hi = 0.0, 2.0
+  while hi - lo > 1e-6:
+    lo, hi = (lo, 0.5 * (lo + hi)) if radius(0.5 * (lo + hi)) >= 1 else (0.5 * (lo + hi), hi)
+  _, _, hessians, stage_of_coord = problem()
+  limit = stability.stability_limit(hessians, stage_of_coord, np.full((N, J), tau), tol=1e-6,
+                                    predict=True)
+  assert limit == pytest.approx(lo, abs=1e-4)
+  assert limit < stability.fixed_delay_limit(tau)  # Extrapolation costs stability on a quadratic.
+
+
+def test_delay_scaled_lr_moves_the_limit_by_its_factor():
+  _, _, hessians, stage_of_coord = problem()
+  for c in (0.5, 2.0):
+    limit = stability.stability_limit(hessians, stage_of_coord, np.ones((N, J), int), tol=1e-6,
+                                      lr_delay_scale=c)
+    assert limit == pytest.approx((1 + c) * stability.fixed_delay_limit(1), abs=1e-4)
+
+
 def test_random_rule_limit_by_simulation_brackets_a_fixed_rule():
   _, _, hessians, stage_of_coord = problem()
   always_one = schedule.function_rule(lambda t, n, j: np.ones((n, j), np.int32), N, J, 1)

@@ -35,13 +35,19 @@ def fixed_delay_limit(tau: int) -> float:
   return 2 * math.cos(tau * math.pi / (2 * tau + 1))
 
 
-def delay_operators(hessians, stage_of_coord, delays) -> np.ndarray:
+def delay_operators(hessians, stage_of_coord, delays, *, predict: bool = False,
+                    lr_delay_scale: float = 0.0) -> np.ndarray:
   """``A_k = 1/N sum_i H_i P_{i,k}`` for ``k = 0..D``, shape ``(D + 1, p, p)``.
 
   Args:
     hessians: ``(N, p, p)``, worker ``i``'s Hessian ``H_i``.
     stage_of_coord: ``(p,)`` ints, the stage of each coordinate of ``theta``.
     delays: ``(N, J)`` delay matrix.
+    predict: weight prediction (`cdpjax.executor.RulePlan`): a read ``k > 0``
+      steps stale is ``(1 + k) theta_{t-k} - k theta_{t-k-1}``, so its share
+      moves to ``A_k`` and ``A_{k+1}`` (shape ``(D + 2, p, p)``).
+    lr_delay_scale: ``c``: the update of stage ``j``'s coordinates is scaled by
+      ``1 / (1 + c mean_i d[i, j])`` (rows of every ``A_k``).
   """
   hessians = np.asarray(hessians, np.float64)
   stage_of_coord = np.asarray(stage_of_coord)
@@ -51,12 +57,19 @@ def delay_operators(hessians, stage_of_coord, delays) -> np.ndarray:
     raise ValueError(
         f"hessians {hessians.shape}, stage_of_coord {stage_of_coord.shape} and delays "
         f"{delays.shape} disagree: need (N, p, p), (p,) and (N, J).")
-  ops = np.zeros((int(delays.max(initial=0)) + 1, p, p))
+  depth = int(delays.max(initial=0))
+  ops = np.zeros((depth + 1 + (bool(predict) and depth > 0), p, p))
   for i in range(num_workers):
     delay_of_coord = delays[i][stage_of_coord]
-    for k in range(ops.shape[0]):
-      ops[k] += hessians[i] * (delay_of_coord == k)[None, :] / num_workers
-  return ops
+    for k in range(depth + 1):
+      share = hessians[i] * (delay_of_coord == k)[None, :] / num_workers
+      if predict and k > 0:
+        ops[k] += (1 + k) * share
+        ops[k + 1] -= k * share
+      else:
+        ops[k] += share
+  scale = 1.0 / (1.0 + lr_delay_scale * delays.mean(axis=0))  # Per stage.
+  return ops * scale[stage_of_coord][None, :, None]
 
 
 def companion(ops, lr: float) -> np.ndarray:
@@ -91,13 +104,15 @@ def lipschitz(hessians) -> float:
   return float(np.linalg.eigvalsh(np.mean(np.asarray(hessians, np.float64), axis=0)).max())
 
 
-def stability_limit(hessians, stage_of_coord, delays, *, tol: float = 1e-4) -> float:
+def stability_limit(hessians, stage_of_coord, delays, *, tol: float = 1e-4,
+                    **compensation) -> float:
   """The largest stable ``lr * L`` for a fixed delay matrix (companion-matrix spectral radius).
 
   The stable set of ``lr`` is taken to be an interval ``(0, limit)``, as it is
-  for one delay; the bisection finds its end.
+  for one delay; the bisection finds its end. ``compensation``: ``predict``
+  and ``lr_delay_scale`` of `delay_operators`.
   """
-  ops = delay_operators(hessians, stage_of_coord, delays)
+  ops = delay_operators(hessians, stage_of_coord, delays, **compensation)
   big_l = lipschitz(hessians)
   return _bisect(lambda x: spectral_radius(companion(ops, x / big_l)) >= 1.0, 2.0, tol)
 
