@@ -329,6 +329,15 @@ def compensation_rows(data: dict) -> list[Row]:
   return rows
 
 
+def compensated_thresholds_rows(data: dict) -> list[Row]:
+  """The engine's divergence threshold with each compensation against cdpjax.stability's."""
+  plain = data["plain_limits"]
+  return [Row(f"{r['rule']}: largest stable lr L (plain {plain[r['rule'].split()[0]]:.3f})",
+              "prediction inside the measured bracket",
+              f"predicted {r['predicted']:.3f}, measured {r['stable_up_to']:.3f} to "
+              f"{r['diverges_from']:.3f}", r["agrees"]) for r in data["thresholds"]]
+
+
 def gradient_kink_rows(data: dict) -> list[Row]:
   """The dp step-2 gradient of the digits ResNet-18 near theta_1, in float32 and float64."""
   return [_info(f"{dtype}: step-2 gradient norm at theta_1 (data, model) and at theta_1 plus "
@@ -428,6 +437,12 @@ SECTIONS = (
             "plain, with weight prediction, DC-ASGD's correction (lambda 1), a delay-scaled "
             "learning rate (c = 1) and prediction with DC (docs/delays.md).",
             "python experiments/compensation.py", compensation_rows),
+    Section("compensated_thresholds", "Delay compensation on a quadratic: stability (issue 35)",
+            "Least squares on the digits pixels, 8 workers x 4 stages: the engine's divergence "
+            "threshold (bisection to 2%, 400 steps) with each compensation against "
+            "cdpjax.stability's companion matrix with the same option.",
+            "python experiments/convergence.py --compensated --results_dir "
+            "results/compensated_thresholds", compensated_thresholds_rows),
     Section("pod_plan", "Pod plan against the cost model: how to read it",
             "The figures behind the tpu_plan section's ratios.",
             "python experiments/tpu_plan.py", pod_plan_rows),

@@ -42,6 +42,13 @@ def test_convergence(tmp_path):
   assert [r["rule"] for r in saved] == ["cdp-v1", "random uniform D=2"]
   assert all(0 < r["stable_up_to"] < r["diverges_from"] for r in saved)
   assert saved[0]["predicted"] == pytest.approx(1.0, abs=1e-3)  # lr * L < 1 for one step of delay.
+  compensated = _script("convergence").main(["--quick", "--compensated", "--results_dir",
+                                             str(tmp_path / "compensated")])
+  (row,) = compensated["thresholds"]
+  assert row["rule"] == "cdp-v1 + prediction"  # Extrapolating one step: lr * L < 0.618.
+  assert row["predicted"] == pytest.approx((5 ** 0.5 - 1) / 2, abs=1e-3)
+  assert 0 < row["stable_up_to"] < row["diverges_from"]
+  assert compensated["plain_limits"]["cdp-v1"] == pytest.approx(1.0, abs=1e-3)
 
 
 def test_delays(tmp_path):
