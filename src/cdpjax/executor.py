@@ -127,10 +127,11 @@ class RulePlan(NamedTuple):
     else:
       name = self.rule if isinstance(self.rule, str) else "a custom delay matrix"
       n, j = self.delays.shape
-    with_prediction = (" with weight prediction" * self.predict
-                       + f" with DC-ASGD correction {self.dc_lambda:g}" * bool(self.dc_lambda)
-                       + f" with delay-scaled learning rate {self.lr_delay_scale:g}"
-                       * bool(self.lr_delay_scale))
+    compensations = [what for what, on in (
+        ("weight prediction", self.predict), (f"DC-ASGD correction {self.dc_lambda:g}",
+                                              self.dc_lambda),
+        (f"delay-scaled learning rate {self.lr_delay_scale:g}", self.lr_delay_scale)) if on]
+    with_prediction = f" with {', '.join(compensations)}" if compensations else ""
     return (f"rule {name} (N={n}, J={j}){with_prediction} runs as "
             f"{DESCRIPTIONS[self.parallelism, self.timetable]}")
 
