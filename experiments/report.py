@@ -184,6 +184,15 @@ def tpu_plan_rows(data: dict) -> list[Row]:
       kinds = z3["collectives"]
       rows.append(Row(f"{model}: ZeRO-3's collectives", "all-gather and reduce-scatter", kinds,
                       "all-gather" in kinds and "reduce-scatter" in kinds))
+    mp, gp, dp = points.get("cdp+mp"), points.get("gpipe"), points.get("dp")
+    if mp and gp and "largest_stage_MiB" in mp:
+      extra = (mp["peak_GiB"] - gp["peak_GiB"]) * 1024
+      rows.append(Row(f"{model}: CDP+MP peak minus GPipe's", "<= one (padded) stage",
+                      f"{extra:.2f} MiB against a stage of {mp['largest_stage_MiB']:.2f} MiB",
+                      extra <= mp["largest_stage_MiB"]))
+    if dp and "stage_padding" in dp:
+      rows.append(_info(f"{model}: executed stage buffers padded to the largest stage",
+                        f"J x largest / sum of the stages = {dp['stage_padding']:.2f}"))
     ratios = {s: p["peak_ratio"] for s, p in points.items()}
     off = [f"{s} {v:.2f}" for s, v in ratios.items() if abs(v - 1) > 0.1]
     rows.append(Row(f"{model}: compiled peak / cost model, {len(ratios)} strategies",

@@ -255,7 +255,8 @@ def predicted(strategy: str, c, w=None) -> dict:
           "collective_bytes": sum(tpu_result_bytes(strategy, c, w, x) for x in cost.communication),
           "algorithm_collective_bytes": sum(x.payload_bytes for x in cost.communication),
           "workload": {"param_bytes": w.param_bytes, "activation_bytes": w.activation_bytes,
-                       "optimizer_factor": w.optimizer_factor}}
+                       "optimizer_factor": w.optimizer_factor},
+          "stage_param_bytes": list(w.stage_param_bytes)}
 
 
 def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> dict | None:
@@ -307,6 +308,9 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
       "collective_ratio_min": comm["min"] / model if model else float("nan"),
       "collective_ratio_max": comm["max"] / model if model else float("nan"),
       "collectives": kinds or "none",
+      "largest_stage_MiB": max(prediction["stage_param_bytes"]) / mib,
+      "stage_padding": (len(prediction["stage_param_bytes"]) * max(prediction["stage_param_bytes"])
+                        / sum(prediction["stage_param_bytes"])),
   }
 
 
