@@ -181,6 +181,12 @@ def tpu_plan_rows(data: dict) -> list[Row]:
       rows.append(Row(f"{model}: CDP+ZeRO collective bytes / ZeRO-3's", "<= 1.05",
                       f"{cz['collective_MiB_max']:.3g} / {z3['collective_MiB_max']:.3g} MiB"
                       f" = {moved:.2f}", moved <= 1.05))
+      if cz.get("received_MiB") and z3.get("received_MiB"):
+        moved = cz["received_MiB"] / z3["received_MiB"]
+        rows.append(Row(f"{model}: CDP+ZeRO bytes received over links / ZeRO-3's (mean per "
+                        "chip; a permute counts only where it delivers)", "<= 1.05",
+                        f"{cz['received_MiB']:.3g} / {z3['received_MiB']:.3g} MiB = {moved:.2f}",
+                        moved <= 1.05))
       kinds = z3["collectives"]
       rows.append(Row(f"{model}: ZeRO-3's collectives", "all-gather and reduce-scatter", kinds,
                       "all-gather" in kinds and "reduce-scatter" in kinds))

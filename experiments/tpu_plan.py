@@ -308,6 +308,8 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
       "collective_ratio_min": comm["min"] / model if model else float("nan"),
       "collective_ratio_max": comm["max"] / model if model else float("nan"),
       "collectives": kinds or "none",
+      "received_MiB": (sum(x["received_max"] for x in found) / mib
+                       if all("received_max" in x for x in found) else None),
       "largest_stage_MiB": max(prediction["stage_param_bytes"]) / mib,
       "stage_padding": (len(prediction["stage_param_bytes"]) * max(prediction["stage_param_bytes"])
                         / sum(prediction["stage_param_bytes"])),

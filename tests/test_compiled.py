@@ -26,16 +26,21 @@ def _lower(mesh, x, body, out_specs=P("data")):
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=out_specs)).lower(x)
 
 
-@pytest.mark.parametrize("body, out_specs, kind, nbytes, groups, pairs", [
-    (lambda a: jax.lax.psum(a, "data"), P(), "all-reduce", SHARD_BYTES, ALL_DEVICES, None),
+# Received bytes per device of a ring algorithm over 8 devices: an all-reduce receives 2 * 7/8
+# of its result, an all-gather 7 of the 8 shards, a reduce-scatter 7 partial shards.
+@pytest.mark.parametrize("body, out_specs, kind, nbytes, groups, pairs, received", [
+    (lambda a: jax.lax.psum(a, "data"), P(), "all-reduce", SHARD_BYTES, ALL_DEVICES, None,
+     2 * 7 / 8 * SHARD_BYTES),
     (lambda a: jax.lax.ppermute(a, "data", RING), P("data"), "collective-permute", SHARD_BYTES,
-     None, RING),
+     None, RING, SHARD_BYTES),
+    (lambda a: jax.lax.ppermute(a, "data", RING[:2]), P("data"), "collective-permute",
+     SHARD_BYTES, None, RING[:2], SHARD_BYTES * 2 / 8),
     (lambda a: jax.lax.all_gather(a, "data", tiled=True), P("data"), "all-gather",
-     8 * SHARD_BYTES, ALL_DEVICES, None),
+     8 * SHARD_BYTES, ALL_DEVICES, None, 7 * SHARD_BYTES),
     (lambda a: jax.lax.psum_scatter(a, "data", scatter_dimension=1, tiled=True), P("data"),
-     "reduce-scatter", SHARD_BYTES // 8, ALL_DEVICES, None),
-], ids=["psum", "ppermute", "all_gather", "psum_scatter"])
-def test_one_collective(mesh, x, body, out_specs, kind, nbytes, groups, pairs):
+     "reduce-scatter", SHARD_BYTES // 8, ALL_DEVICES, None, 7 * SHARD_BYTES / 8),
+], ids=["psum", "ppermute", "ppermute_two_pairs", "all_gather", "psum_scatter"])
+def test_one_collective(mesh, x, body, out_specs, kind, nbytes, groups, pairs, received):
   lowered = _lower(mesh, x, body, out_specs)
   hlo_text = lowered.compile().as_text()
   (found,) = hlo.collectives(hlo_text)
@@ -45,7 +50,9 @@ def test_one_collective(mesh, x, body, out_specs, kind, nbytes, groups, pairs):
   summary = hlo.collective_summary(hlo_text)
   assert summary == {k: {"count": int(k == kind), "bytes": nbytes * (k == kind),
                          "count_min": int(k == kind), "count_max": int(k == kind),
-                         "bytes_min": nbytes * (k == kind), "bytes_max": nbytes * (k == kind)}
+                         "bytes_min": nbytes * (k == kind), "bytes_max": nbytes * (k == kind),
+                         "received_min": pytest.approx(received * (k == kind)),
+                         "received_max": pytest.approx(received * (k == kind))}
                      for k in hlo.KINDS}
   assert hlo.stablehlo_collectives(lowered.as_text()) == {
       k: int(k == kind) for k in hlo.KINDS}
@@ -143,10 +150,15 @@ def _scan_with_conds(a):
 def _check_scan_with_conds(summary):
   assert summary["all-reduce"] == {"count": 1, "bytes": SHARD_BYTES, "count_min": 5,
                                    "count_max": 5, "bytes_min": 5 * SHARD_BYTES,
-                                   "bytes_max": 5 * SHARD_BYTES}
+                                   "bytes_max": 5 * SHARD_BYTES,
+                                   "received_min": pytest.approx(5 * 2 * 7 / 8 * SHARD_BYTES),
+                                   "received_max": pytest.approx(5 * 2 * 7 / 8 * SHARD_BYTES)}
   permute = summary["collective-permute"]
   assert permute["count"] == 2
   assert (permute["count_min"], permute["count_max"]) == (3, 3 + 5)
+  # Every pair of the ring targets another device: each permute receives its whole result.
+  assert (permute["received_min"], permute["received_max"]) == (
+      pytest.approx(3 * SHARD_BYTES), pytest.approx(8 * SHARD_BYTES))
 
 
 def test_per_step_on_the_tpu_compiler():

@@ -56,6 +56,25 @@ class Collective(NamedTuple):
   source_target_pairs: tuple[tuple[int, int], ...] | None
   is_async: bool
 
+  def received_bytes(self, num_devices: int) -> float:
+    """Bytes a device receives over links, on average over the program's ``num_devices``.
+
+    A bandwidth-optimal (ring) algorithm in groups of ``g``: an all-reduce
+    receives ``2 (g-1)/g`` of its result, an all-gather and an all-to-all
+    ``(g-1)/g``, a reduce-scatter ``g-1`` results (the shards it sums); a
+    collective-permute's result counts once per pair whose target is another
+    device. The result bytes (`bytes`) count a permute's buffer on every
+    device, one that receives nothing included.
+    """
+    if self.kind == "collective-permute":
+      pairs = [p for p in self.source_target_pairs or () if p[0] != p[1]]
+      return self.bytes * len(pairs) / num_devices
+    groups = self.replica_groups
+    g = len(groups[0]) if groups and groups[0] else num_devices
+    share = {"all-reduce": 2 * (g - 1) / g, "all-gather": (g - 1) / g,
+             "all-to-all": (g - 1) / g, "reduce-scatter": g - 1}[self.kind]
+    return self.bytes * share
+
 
 def _split_shape(rest: str) -> tuple[str, str]:
   """Splits ``SHAPE opcode(...)...`` into the shape and the remainder."""
@@ -474,7 +493,9 @@ def _branch_names(match) -> list[str]:
 
 
 def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, dict[str, float]]:
-  """``{kind: {"count_min", "count_max", "bytes_min", "bytes_max"}}`` per step, per device.
+  """``{kind: {"count_min", "count_max", "bytes_min", "bytes_max", "received_min",
+  "received_max"}}`` per step, per device (``received``: `Collective.received_bytes`,
+  averaged over the devices).
 
   Each collective counts as often as the loops around it run (their trip
   counts, `_loop`), divided by ``steps_per_call`` (the steps one call runs,
@@ -493,13 +514,14 @@ def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, di
   counter = _Counter(hlo_text)
   total = counter.ranges(counter.entry) / steps_per_call
   return {kind: {"count_min": float(total[0, 0, i]), "count_max": float(total[1, 0, i]),
-                 "bytes_min": float(total[0, 1, i]), "bytes_max": float(total[1, 1, i])}
+                 "bytes_min": float(total[0, 1, i]), "bytes_max": float(total[1, 1, i]),
+                 "received_min": float(total[0, 2, i]), "received_max": float(total[1, 2, i])}
           for i, kind in enumerate(KINDS)}
 
 
 def _zeros() -> np.ndarray:
-  """``[min|max, count|bytes, kind]``: the figures of one run of some HLO."""
-  return np.zeros((2, 2, len(KINDS)))
+  """``[min|max, count|bytes|received, kind]``: the figures of one run of some HLO."""
+  return np.zeros((2, 3, len(KINDS)))
 
 
 class _Counter:
@@ -516,7 +538,7 @@ class _Counter:
     """The collectives computation ``name`` itself holds."""
     out = _zeros()
     for c in collectives("\n".join(self.bodies.get(name, []))):
-      out[:, :, KINDS.index(c.kind)] += (1, c.bytes)
+      out[:, :, KINDS.index(c.kind)] += (1, c.bytes, c.received_bytes(len(self.devices)))
     return out
 
   def ranges(self, name: str) -> np.ndarray:
@@ -562,7 +584,7 @@ class _Counter:
     except _NeedsDevice:
       per_device = [sum((loop.trip(i, d) for i in range(trips)), _zeros())
                     for d in self.devices]
-    per_device = np.broadcast_to(per_device, (len(per_device), 2, 2, len(KINDS)))
+    per_device = np.broadcast_to(per_device, (len(per_device),) + _zeros().shape)
     return trips * rest + np.stack([per_device[:, 0].min(axis=0), per_device[:, 1].max(axis=0)])
 
 
