@@ -264,7 +264,8 @@ def summary(result: dict) -> str:
       "a range where a branch depends on data):",
       *[f"  {kind:<20} {_range(c['count_min'], c['count_max'], '.0f'):>9} ops "
         f"{_range(c['bytes_min'] / (1 << 20), c['bytes_max'] / (1 << 20), '.2f'):>21} MiB "
-        f"({c['count']} instructions)"
+        f"({c['count']} instructions; received over links "
+        f"{_range(c['received_min'] / (1 << 20), c['received_max'] / (1 << 20), '.2f')} MiB)"
         for kind, c in result["collectives"].items() if c["count"]],
   ]
   if not any(c["count"] for c in result["collectives"].values()):
