@@ -126,28 +126,6 @@ def test_weight_prediction_equals_simulator(num_workers, num_stages, rule):
 
 
 
-def test_weight_prediction_with_delays_that_are_data():
-  """A slow, jittered worker (a schedule.DelayRule) with weight prediction."""
-  num_workers, num_stages, steps, bound = 4, 3, 6, 2
-  speeds = [1.0, 1.25, 1.0, 0.5]
-  rng = np.random.default_rng(7)
-  jitter = rng.uniform(0, 0.5, size=(steps, num_workers))
-  stage_params, sim_batches, batches = _problem(rng, num_workers, num_stages, steps)
-  tx = optax.sgd(0.3, momentum=0.9)
-  ref = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params, tx, sim_batches,
-                          "cdp-v2", speeds=speeds, jitter=jitter, max_delay=bound,
-                          weight_prediction=True)
-  rule = schedule.timeline_rule(speeds, num_stages, steps, jitter=jitter, max_delay=bound)
-  plan = executor.resolve(rule, "data", num_workers, num_stages, predict=True)
-  mesh = jax.make_mesh((num_workers,), ("data",), devices=jax.devices()[:num_workers])
-  step = engine.make_train_step(_chain_loss, tx, stage_ids=stages.grouped(stage_params),
-                                rule=plan, mesh=mesh, scan_steps=steps)
-  state, metrics = step(engine.init_state(stage_params, tx, rule=plan), batches)
-  np.testing.assert_allclose(metrics["loss"], ref.losses, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               state.params, ref.params)
-
-
 def test_weight_prediction_is_refused_outside_the_engine():
   for parallelism in ("model", "zero"):
     with pytest.raises(ValueError, match="Delay compensation .* runs in the engine only"):
@@ -184,9 +162,12 @@ def test_dc_asgd_correction_and_delay_scaled_lr_equal_simulator(rule, predict, s
                state.params, ref.params)
 
 
-def test_delay_scaled_lr_with_delays_that_are_data():
-  """The scale follows each step's delay matrix (a schedule.DelayRule: data, not constants)."""
-  num_workers, num_stages, steps, bound, scale = 4, 3, 6, 2, 0.5
+@pytest.mark.parametrize("compensation", [{"predict": True}, {"lr_delay_scale": 0.5}],
+                         ids=["prediction", "delay_scaled_lr"])
+def test_compensation_with_delays_that_are_data(compensation):
+  """A slow, jittered worker (a schedule.DelayRule): the compensations follow each step's
+  delays (data, not constants)."""
+  num_workers, num_stages, steps, bound = 4, 3, 6, 2
   speeds = [1.0, 1.25, 1.0, 0.5]
   rng = np.random.default_rng(7)
   jitter = rng.uniform(0, 0.5, size=(steps, num_workers))
@@ -194,9 +175,10 @@ def test_delay_scaled_lr_with_delays_that_are_data():
   tx = optax.sgd(0.3, momentum=0.9)
   ref = simulate.simulate([stage_fn] * num_stages, micro_loss, stage_params, tx, sim_batches,
                           "cdp-v2", speeds=speeds, jitter=jitter, max_delay=bound,
-                          lr_delay_scale=scale)
+                          weight_prediction=compensation.get("predict", False),
+                          lr_delay_scale=compensation.get("lr_delay_scale", 0.0))
   rule = schedule.timeline_rule(speeds, num_stages, steps, jitter=jitter, max_delay=bound)
-  plan = executor.resolve(rule, "data", num_workers, num_stages, lr_delay_scale=scale)
+  plan = executor.resolve(rule, "data", num_workers, num_stages, **compensation)
   mesh = jax.make_mesh((num_workers,), ("data",), devices=jax.devices()[:num_workers])
   step = engine.make_train_step(_chain_loss, tx, stage_ids=stages.grouped(stage_params),
                                 rule=plan, mesh=mesh, scan_steps=steps)
