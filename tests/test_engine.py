@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from cdpjax import compiled, engine, hlo, schedule
+from cdpjax import compiled, engine, executor, hlo, schedule
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -200,8 +200,13 @@ def workers_of_two(num_workers):
   return jax.make_mesh((num_workers, 2), ("data", "fsdp"))
 
 
-@pytest.mark.parametrize("rule", ["dp", "cdp-v1", "cdp-v2"])
+@pytest.mark.parametrize("rule", ["dp", "cdp-v1", "cdp-v2", "cdp-v2 compensated"])
 def test_state_sharded_inside_workers_equals_one_device_per_worker(rule):
+  """"compensated": weight prediction, DC-ASGD and a delay-scaled rate, whose corrections read
+  theta_t beside the gathered view."""
+  if rule == "cdp-v2 compensated":
+    rule = executor.resolve("cdp-v2", "data", 4, 3, predict=True, dc_lambda=0.5,
+                            lr_delay_scale=1.0)
   params, stage_ids, _ = make_problem(4, 3)
   batches = batches_of(4, 3)
   tx = optax.sgd(0.2, momentum=0.9)

@@ -107,7 +107,7 @@ def base_config() -> ml_collections.ConfigDict:
   # as g + dc_lambda * g * g * (theta_t - theta_read); 0 is off.
   c.dc_lambda = 0.0
   # A delay-aware learning rate (parallelism=data): stage j's update is scaled by
-  # 1 / (1 + lr_delay_scale * mean_i d[i, j]); 0 is off.
+  # 1 / (1 + lr_delay_scale * mean_i min(d[i, j], t)); 0 is off.
   c.lr_delay_scale = 0.0
 
   c.seed = 0

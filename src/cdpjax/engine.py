@@ -479,6 +479,8 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
       loss, grads = jax.value_and_grad(loss_fn)(view, batch)
     if r.plan.dc_lambda:  # DC-ASGD: g + lambda g^2 (theta_t - theta_read), per worker.
       fresh = [jax.lax.pcast(x, axis_name, to="varying") for x in ages[0]]
+      if sharded:  # Gathered as the view is.
+        fresh = [jax.sharding.reshard(x, P()) for x in fresh]
       grads = jax.tree.unflatten(treedef, [
           g + r.plan.dc_lambda * g * g * (t - v)
           for g, t, v in zip(jax.tree.leaves(grads), fresh, jax.tree.leaves(view))])
