@@ -29,9 +29,7 @@ import sys
 import _common
 import lm_sweep
 
-VARIANTS = {"none": {}, "predict": {"weight_prediction": True}, "dc": {"dc_lambda": 1.0},
-            "lr_scale": {"lr_delay_scale": 1.0},
-            "predict+dc": {"weight_prediction": True, "dc_lambda": 1.0}}
+VARIANTS = lm_sweep.COMPENSATIONS
 RULES = ("cdp-v2", "cdp-v1")
 QUICK_VARIANTS = ("none", "predict")
 FINAL = "final_bits_per_byte"

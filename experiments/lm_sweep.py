@@ -1,6 +1,7 @@
 """Is DP's lead over CDP on the LM real, or one learning rate's artefact? A tuned comparison.
 
-For each rule (dp, cdp-v1, cdp-v2) and optimizer, a grid of peak learning
+For each rule (dp, cdp-v1, cdp-v2 and, on the lm, cdp-v2 with weight
+prediction, ``cdp-v2+predict``) and optimizer, a grid of peak learning
 rates x warm-up lengths at seed 0, then seeds 0, 1, 2 at each (rule,
 optimizer)'s best grid point (issue 35). Tasks, in this order (the most
 informative first):
@@ -25,13 +26,13 @@ summary ``lm_sweep.json`` (the grid, and per (task, optimizer, rule) the best
 point's mean +- std over seeds) is rewritten, and, unless ``--quick``, the figure
 ``--figure`` (final metric against lr per rule, best-point curves):
 
-  python experiments/lm_sweep.py                     # lm then digits: 84 + 21 runs
+  python experiments/lm_sweep.py                     # lm then digits: 112 + 21 runs
   python experiments/lm_sweep.py --task lm           # the language model only
   python experiments/lm_sweep.py --task digits       # the ResNet-18 only
   python experiments/lm_sweep.py --quick             # smoke configs, 2 lrs x 2 rules per task
 
 Time on the 2 shared cores here: an lm run takes ~2.3 min at an idle machine
-(README: 2 min 16 s), so the 84 lm runs take ~3.3 h, more when the cores are
+(README: 2 min 16 s), so the 112 lm runs take ~4.3 h, more when the cores are
 shared (8.5 min a run at a load of 12); the digits runs' time is in their
 ``wall_time_s``. ``--quick`` takes a minute or two (8 smoke runs).
 
@@ -53,6 +54,14 @@ import accuracy_digits
 import accuracy_lm
 
 RULES = accuracy_lm.RULES
+# The delay compensations (issue 35) -> their config keys.
+COMPENSATIONS = {"none": {}, "predict": {"weight_prediction": True}, "dc": {"dc_lambda": 1.0},
+                 "lr_scale": {"lr_delay_scale": 1.0},
+                 "predict+dc": {"weight_prediction": True, "dc_lambda": 1.0}}
+# Rules with a compensation, "<rule>+<compensation>": the lm grids tune cdp-v2
+# with weight prediction, the best compensation at lr 2e-3 (experiments/compensation.py).
+COMPENSATED = ("cdp-v2+predict",)
+TASK_RULES = {"lm": RULES + COMPENSATED, "digits": RULES}
 SEEDS = (0, 1, 2)
 # 200-step probes of SGD + momentum 0.9 on the lm (10% warm-up, cosine, clip 1):
 # (rule, lr) -> final eval bits per byte (the bigram baseline: 3.55).
@@ -71,12 +80,21 @@ GRIDS = {
 }
 QUICK_GRIDS = {"lm": {"adamw": ((1e-3, 1e-2), (0.25,), {})},
                "digits": {"sgd": ((0.01, 0.05), (0.25,), {"momentum": 0.9})}}
-QUICK_RULES = ("dp", "cdp-v1")
+QUICK_RULES = ("dp", "cdp-v2+predict")
 METRICS = {"lm": ("eval/bits_per_byte", "final_bits_per_byte", min),
            "digits": ("eval/accuracy", "final_accuracy", max)}
 
 
 def load_config(task: str, rule: str, quick: bool):
+  """The task's config for ``rule``, a compensated rule's keys set."""
+  rule, _, variant = rule.partition("+")  # A compensation may hold "+" too.
+  c = _task_config(task, rule, quick)
+  for k, v in COMPENSATIONS[variant or "none"].items():
+    c[k] = v
+  return c
+
+
+def _task_config(task: str, rule: str, quick: bool):
   if task == "lm":
     return accuracy_lm.load_config(f"rule={rule}" + (",smoke" if quick else ""))
   return accuracy_digits.load_config(f"rule={rule},model=resnet18" + (",smoke" if quick else ""))
@@ -128,7 +146,8 @@ def train_one(task, optimizer, rule, lr, warmup, seed, extra, quick, out,
   shutil.rmtree(workdir, ignore_errors=True)  # A fresh run.
   row = {"name": name, "task": task, "optimizer": optimizer, "rule": rule, "learning_rate": lr,
          "warmup_fraction": warmup, "warmup_steps": c.warmup_steps,
-         "warmup_epochs": c.warmup_epochs, "seed": seed, **extra}
+         "warmup_epochs": c.warmup_epochs, "seed": seed, **extra,
+         **{k: c[k] for k in ("weight_prediction", "dc_lambda", "lr_delay_scale")}}
   try:
     summary = train.train_and_evaluate(c, str(workdir))
   except train.NonFiniteError as e:
@@ -241,7 +260,8 @@ def main(argv=None) -> dict:
   (out / "runs").mkdir(exist_ok=True)
   tasks = args.task.split(",")
   grids = {t: (QUICK_GRIDS if args.quick else GRIDS)[t] for t in tasks}
-  rules = QUICK_RULES if args.quick else RULES
+  task_rules = {t: QUICK_RULES if args.quick else TASK_RULES[t] for t in tasks}
+  rules = tuple(dict.fromkeys(r for t in tasks for r in task_rules[t]))
   seeds = SEEDS[:1] if args.quick else SEEDS
   from cdpjax.distributed import emulate_cpu_devices  # pylint: disable=g-import-not-at-top
   emulate_cpu_devices(max(load_config(t, "dp", args.quick).num_workers for t in tasks))
@@ -250,7 +270,7 @@ def main(argv=None) -> dict:
   for path in sorted((out / "runs").glob("*.json")):
     row = json.loads(path.read_text())
     rows[row["name"]] = row
-  planned = sum(len(rules) * (len(lrs) * len(wus) + len(seeds) - 1)
+  planned = sum(len(task_rules[t]) * (len(lrs) * len(wus) + len(seeds) - 1)
                 for t in tasks for lrs, wus, _ in grids[t].values())
 
   def run(task, optimizer, rule, lr, warmup, seed, extra):
@@ -270,10 +290,10 @@ def main(argv=None) -> dict:
       # The grid at seed 0, all rules side by side; the middle learning rates first.
       for warmup in warmups:
         for lr in sorted(lrs, key=lambda lr: abs(lrs.index(lr) - (len(lrs) - 1) / 2)):
-          for rule in rules:
+          for rule in task_rules[task]:
             run(task, optimizer, rule, lr, warmup, 0, extra)
       for seed in seeds[1:]:  # More seeds at each rule's best point.
-        for rule in rules:
+        for rule in task_rules[task]:
           table = summarize(rows, grids, rules, planned)["tasks"][task]["optimizers"]
           best = table[optimizer][rule]
           run(task, optimizer, rule, best["learning_rate"], best["warmup_fraction"], seed, extra)

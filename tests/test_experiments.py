@@ -250,6 +250,7 @@ def test_lm_sweep(tmp_path):
     name = sweep.run_name("lm", "adamw", rule, best["learning_rate"], warmup, 0)
     run = json.loads((tmp_path / "runs" / f"{name}.json").read_text())
     assert run["steps"] == 4 and run["curve"]["values"][-1] == best["mean"]
+    assert run["weight_prediction"] == rule.endswith("+predict")  # The compensation's key, set.
   assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
   # A rerun trains nothing: every run's JSON is there.
   mtimes = {p.name: p.stat().st_mtime for p in (tmp_path / "runs").iterdir()}
