@@ -9,10 +9,12 @@ import jax
 import numpy as np
 import optax
 
-from cdpjax import executors, models, schedule, stages
+from cdpjax import executor, executors, models, schedule, stages
 from cdpjax.executed import staged as staged_lib
 
 NUM_STEPS = 4
+# All three delay compensations (`executor.RulePlan`), strong enough to move every leaf.
+COMPENSATIONS = {"predict": True, "dc_lambda": 50.0, "lr_delay_scale": 1.0}
 # Small steps: a width-4 ResNet with BatchNorm on 8-row micro-batches is badly
 # conditioned, and larger ones amplify float32 rounding past 1e-5 in a few steps.
 LEARNING_RATE = {"residual_mlp": 0.1, "resnet18": 3e-4}
@@ -63,15 +65,18 @@ def step_batch(batch, k):
 
 
 @functools.cache
-def engine_run(name, rule, num_workers, replicas=1):
+def engine_run(name, rule, num_workers, replicas=1, compensated=False):
   """Per-step metrics (host numpy) and final flax variables of the engine over NUM_STEPS.
 
   ``replicas``: the engine with ``R*N`` workers whose delay matrix is the
   rule's ``(N, N)`` matrix tiled ``R`` times, as ``R`` replicated executors run it.
+  ``compensated``: with the delay compensations ``COMPENSATIONS``.
   """
   model, params, model_state, stage_ids = model_of(name, num_workers)
   if replicas > 1:
     rule = np.tile(schedule.resolve(rule, num_workers, num_workers), (replicas, 1))
+  if compensated:
+    rule = executor.resolve(rule, "data", replicas * num_workers, num_workers, **COMPENSATIONS)
   ex = executors.engine_executor(model, make_tx(name), stage_ids=stage_ids, rule=rule,
                                 mesh=jax.make_mesh((replicas * num_workers,), ("data",)),
                                 loss_fn=staged_lib.cross_entropy,
@@ -84,9 +89,10 @@ def engine_run(name, rule, num_workers, replicas=1):
   return metrics, jax.tree.map(np.asarray, ex.variables(state))
 
 
-def assert_matches_engine(metrics, variables, name, rule, num_workers, rtol=1e-5, replicas=1):
+def assert_matches_engine(metrics, variables, name, rule, num_workers, rtol=1e-5, replicas=1,
+                          compensated=False):
   """Every metric of every step, and the final parameters and model state."""
-  ref_metrics, ref_variables = engine_run(name, rule, num_workers, replicas)
+  ref_metrics, ref_variables = engine_run(name, rule, num_workers, replicas, compensated)
   assert len(metrics) == len(ref_metrics)
   for k, (got, want) in enumerate(zip(metrics, ref_metrics)):
     assert set(got) == set(want) == {"loss", "grad_norm", "grad_norm_per_stage", "param_norm"}

@@ -35,13 +35,15 @@ NUM_STEPS = 3
 # 1e-3 a leaf of theta_3 is 47% of its scale off (and two data runs, 1 and 2
 # devices a worker, differ as much); at 1e-4, 3.9e-5.
 LEARNING_RATE = {"residual_mlp": 0.05, "resnet18": 1e-3, "resnet50": 1e-4, "transformer": 2e-3}
+# The three delay compensations as config keys, strong enough to move every leaf in 3 steps.
+COMPENSATIONS = {"weight_prediction": True, "dc_lambda": 50.0, "lr_delay_scale": 1.0}
 
 
 def load_config(arg, **overrides):
   return config_lib.load(str(ROOT / "configs" / "digits.py"), arg, **overrides)
 
 
-def smoke_config(model, parallelism, rule, size=2):
+def smoke_config(model, parallelism, rule, size=2, compensated=False):
   """A 3-step smoke run with N = J = ``size``, SGD with momentum and weight decay (the
   transformer: AdamW, whose decay of matrices only the executed modes once dropped).
 
@@ -53,7 +55,7 @@ def smoke_config(model, parallelism, rule, size=2):
                 eval_every_steps=NUM_STEPS, checkpoint_every_steps=NUM_STEPS,
                 optimizer="sgd", momentum=0.9, weight_decay=5e-4, lr_schedule="constant",
                 warmup_steps=0, warmup_epochs=0.0, grad_clip_norm=0.0,
-                learning_rate=LEARNING_RATE[model])
+                learning_rate=LEARNING_RATE[model], **(COMPENSATIONS if compensated else {}))
   if model == "transformer":  # The LM's AdamW, which decays its matrices only.
     common.update(optimizer="adamw", weight_decay=0.1)
     c = config_lib.load(str(ROOT / "configs" / "lm.py"),
@@ -67,10 +69,12 @@ def smoke_config(model, parallelism, rule, size=2):
 
 
 @functools.cache
-def launch(model, parallelism, rule, size, workdir_root):
+def launch(model, parallelism, rule, size, workdir_root, compensated=False):
   """Per-step logged metrics, the summary and the final variables of a smoke run."""
-  workdir = os.path.join(workdir_root, f"{model}-{parallelism}-{rule}-{size}")
-  summary = train.train_and_evaluate(smoke_config(model, parallelism, rule, size), workdir)
+  workdir = os.path.join(workdir_root, f"{model}-{parallelism}-{rule}-{size}"
+                         f"{'-compensated' * compensated}")
+  summary = train.train_and_evaluate(smoke_config(model, parallelism, rule, size, compensated),
+                                     workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   return {r["step"]: r for r in rows if "train/loss" in r}, summary, train.exported(workdir)
@@ -135,6 +139,21 @@ def test_every_model_parallelism_and_rule_runs_the_engines_run(model, parallelis
   workers take a file each). ResNet-50 only there: its compiles are the suite's longest (the
   suite took 14 min with a cold cache with it here), and it is cut by FLOPs as ResNet-18 is."""
   check_against_the_engine(model, parallelism, rule, 2, workdir_root, capsys)
+
+
+@pytest.mark.parametrize("parallelism", ["model"])
+def test_delay_compensations_run_the_engines_run(parallelism, workdir_root, capsys):
+  """Weight prediction, DC-ASGD and the delay-scaled rate from the config: the executed run is
+  the engine's compensated run (tests/test_pipeline.py checks each step's numbers), and the
+  compensations move it away from the plain run."""
+  got = launch("residual_mlp", parallelism, "cdp-v2", 2, workdir_root, compensated=True)
+  assert "with weight prediction, DC-ASGD correction 50, delay-scaled learning rate 1" in \
+      capsys.readouterr().out
+  want = launch("residual_mlp", "data", "cdp-v2", 2, workdir_root, compensated=True)
+  assert_same_metrics(got[0], want[0])
+  assert_same_final(got, want)
+  plain = launch("residual_mlp", "data", "cdp-v2", 2, workdir_root)
+  assert abs(got[0][NUM_STEPS]["train/loss"] / plain[0][NUM_STEPS]["train/loss"] - 1) > 1e-3
 
 
 def check_against_the_engine(model, parallelism, rule, size, workdir_root, capsys):

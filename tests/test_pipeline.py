@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from cdpjax import compiled, hlo, models, schedule, stages
+from cdpjax import compiled, executor, hlo, models, schedule, stages
 from cdpjax.executed import pipeline, plan
 from cdpjax.executed import staged as staged_lib
 
@@ -26,7 +26,11 @@ REPLICAS = 2  # Of the pipeline on a (replica, stage) mesh.
 
 
 @functools.cache
-def executor_of(name, rule, num_stages, timetable=None, scan_steps=STEPS_PER_CALL, replicas=1):
+def executor_of(name, rule, num_stages, timetable=None, scan_steps=STEPS_PER_CALL, replicas=1,
+                compensated=False):
+  if compensated:
+    rule = executor.resolve(rule, "model", num_stages, num_stages, timetable,
+                            **ref.COMPENSATIONS)
   if timetable == "dp+mp":
     mesh = jax.make_mesh((num_stages, num_stages), ("data", "stage"))
   elif replicas > 1:
@@ -43,9 +47,9 @@ def initial_state(ex, name, num_stages):
 
 
 @functools.cache
-def pipeline_run(name, rule, num_stages, timetable=None, replicas=1):
+def pipeline_run(name, rule, num_stages, timetable=None, replicas=1, compensated=False):
   """Per-step metrics and final variables over NUM_STEPS steps, STEPS_PER_CALL per call."""
-  ex = executor_of(name, rule, num_stages, timetable, replicas=replicas)
+  ex = executor_of(name, rule, num_stages, timetable, replicas=replicas, compensated=compensated)
   state = initial_state(ex, name, num_stages)
   data, metrics = ref.batches(name, replicas * num_stages), []
   for c in range(ref.NUM_STEPS // STEPS_PER_CALL):
@@ -62,6 +66,23 @@ def test_residual_mlp_matches_engine():
   metrics, variables, plan_ = pipeline_run("residual_mlp", "cdp-v2", 2)
   assert plan_.timetable == "cyclic"
   ref.assert_matches_engine(metrics, variables, "residual_mlp", "cdp-v2", 2)
+
+
+@pytest.mark.parametrize("rule, timetable, replicas", [
+    ("cdp-v2", None, 1), ("cdp-v1", None, 2), ("cdp-v2", "gpipe", 1)])
+def test_delay_compensations_match_the_engine(rule, timetable, replicas):
+  """Weight prediction, DC-ASGD and the delay-scaled rate together, as the engine runs them
+  (itself exact against the simulator), on the cyclic and the flushed timetables."""
+  metrics, variables, plan_ = pipeline_run("residual_mlp", rule, 4, timetable, replicas, True)
+  assert (plan_.predict, plan_.dc_lambda, plan_.lr_delay_scale) == tuple(
+      ref.COMPENSATIONS.values())
+  ref.assert_matches_engine(metrics, variables, "residual_mlp", rule, 4, replicas=replicas,
+                            compensated=True)
+  # The compensations move the run: the test sees a compensation that is dropped.
+  _, plain = ref.engine_run("residual_mlp", rule, 4, replicas)
+  moved = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b)) / np.max(np.abs(b))), variables,
+                       plain)
+  assert min(jax.tree.leaves(moved)) > 1e-3, moved
 
 
 def test_dp_plus_mp_matches_engine_dp():

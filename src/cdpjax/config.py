@@ -100,13 +100,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.warmup_epochs = 0.0
   c.warmup_steps = 0  # > 0: warm-up in steps, instead of warmup_epochs.
   c.grad_clip_norm = 0.0  # > 0: clip the gradient to this global norm (parallelism=data).
-  # Delay compensation (parallelism=data): a stale read of theta_{t-d} uses
+  # Delay compensation (parallelism=data or model): a stale read of theta_{t-d} uses
   # theta_{t-d} + d * (theta_{t-d} - theta_{t-d-1}); a stage read stale keeps one more version.
   c.weight_prediction = False
-  # DC-ASGD's correction (parallelism=data): a worker's gradient g of a stage it read stale counts
+  # DC-ASGD's correction: a worker's gradient g of a stage it read stale counts
   # as g + dc_lambda * g * g * (theta_t - theta_read); 0 is off.
   c.dc_lambda = 0.0
-  # A delay-aware learning rate (parallelism=data): stage j's update is scaled by
+  # A delay-aware learning rate: stage j's update is scaled by
   # 1 / (1 + lr_delay_scale * mean_i min(d[i, j], t)); 0 is off.
   c.lr_delay_scale = 0.0
 
@@ -200,10 +200,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c[key] < 0:
       raise ValueError(f"--config.{key} must be >= 0 (0: off), got {c[key]}.")
   for key, off in (("weight_prediction", False), ("dc_lambda", 0.0), ("lr_delay_scale", 0.0)):
-    if c[key] != off and c.parallelism != "data":
+    if c[key] != off and c.parallelism == "zero":
       raise ValueError(
-          f"--config.{key} runs in the update-rule engine only, not under "
-          f"parallelism={c.parallelism!r}: set --config.parallelism=data or "
+          f"--config.{key} runs in the engine and under parallelism=model, not yet under "
+          f"parallelism='zero': set --config.parallelism=data or model, or "
           f"--config.{key}={off}.")
   if c.grad_clip_norm and c.parallelism != "data":
     raise ValueError(

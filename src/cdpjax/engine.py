@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cdpjax import compiled, schedule
+from cdpjax import compensation, compiled, schedule
 from cdpjax import executor as executor_lib
 
 BACKENDS = ("shard_map", "pmap")
@@ -134,7 +134,7 @@ def _read(ages, k: int, age: int, predict: bool):
   leaf = ages[age][k]
   if not predict or age == 0:
     return leaf
-  return leaf + age * (leaf - ages[age + 1][k])
+  return compensation.predicted(leaf, ages[age + 1][k], age)
 
 
 def _version_leaves(state) -> list[list]:
@@ -482,7 +482,7 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
       if sharded:  # Gathered as the view is.
         fresh = [jax.sharding.reshard(x, P()) for x in fresh]
       grads = jax.tree.unflatten(treedef, [
-          g + r.plan.dc_lambda * g * g * (t - v)
+          compensation.dc_corrected(g, t, v, r.plan.dc_lambda)
           for g, t, v in zip(jax.tree.leaves(grads), fresh, jax.tree.leaves(view))])
     grads, (loss, model_state) = _reduce_by_stage(
         grads, r.stage_of_leaf, r.num_stages, (loss, model_state), axis_name, r.num_workers)
@@ -491,9 +491,8 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
       grads = jax.tree.map(_resharded_like, grads, current)
     updates, opt_state = tx.update(grads, state.opt_state, current)
     if r.plan.lr_delay_scale:  # A delay-aware learning rate: 1 / (1 + c * mean_i d[i, j]).
-      delays = delays_NxJ if r.dynamic else jnp.asarray(r.delays)
-      delays = jnp.minimum(delays, state.step).astype(jnp.float32)  # theta_{t-d}, t-d < 0: theta_0.
-      scale = 1.0 / (1.0 + r.plan.lr_delay_scale * jnp.mean(delays, axis=0))
+      scale = compensation.lr_scale(delays_NxJ if r.dynamic else r.delays, state.step,
+                                    r.plan.lr_delay_scale)
       updates = jax.tree.unflatten(treedef, [u * scale[stage].astype(u.dtype) for u, stage in zip(
           jax.tree.leaves(updates), r.stage_of_leaf)])
     params = optax.apply_updates(current, updates)

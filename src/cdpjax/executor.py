@@ -151,8 +151,8 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
   The one place a rule is resolved: a run resolves it once and hands the plan
   on; given a ``RulePlan``, this checks that it is for ``parallelism``, ``N``
   and ``J`` and returns it. ``predict``, ``dc_lambda`` and ``lr_delay_scale``:
-  the delay compensations of `RulePlan`, which the engine
-  (``parallelism='data'``) runs.
+  the delay compensations of `RulePlan` (`compensation`), which the engine
+  and the executed pipeline (``parallelism='model'``) run.
   """
   if isinstance(rule, RulePlan):
     shape = ((rule.rule.num_workers, rule.rule.num_stages) if rule.delays is None
@@ -169,11 +169,11 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
     lr_delay_scale, rule = lr_delay_scale or rule.lr_delay_scale, rule.rule
   if parallelism not in PARALLELISMS:
     raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
-  if (predict or dc_lambda or lr_delay_scale) and parallelism != "data":
-    raise ValueError(f"Delay compensation (weight prediction, DC-ASGD, a delay-scaled learning "
-                     f"rate) runs in the engine only, not under parallelism={parallelism!r}: use "
-                     "parallelism='data', or turn weight_prediction, dc_lambda and "
-                     "lr_delay_scale off.")
+  if (predict or dc_lambda or lr_delay_scale) and parallelism == "zero":
+    raise ValueError("Delay compensation (weight prediction, DC-ASGD, a delay-scaled learning "
+                     "rate) runs in the engine and under parallelism='model', not yet under "
+                     "'zero': use parallelism='data' or 'model', or turn weight_prediction, "
+                     "dc_lambda and lr_delay_scale off.")
   compensation = dict(predict=bool(predict), dc_lambda=float(dc_lambda),
                       lr_delay_scale=float(lr_delay_scale))
   if isinstance(rule, schedule.DelayRule):  # New delays every step: only the engine runs them.
@@ -194,7 +194,7 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
     if timetable == "cyclic":
       raise ValueError(f"Rule {rule!r} has no delays and is not causal on the cyclic timetable: "
                        f"use timetable={flushed!r} (or leave timetable unset) for dp.")
-    return RulePlan(rule, parallelism, delays, num_stale, timetable)
+    return RulePlan(rule, parallelism, delays, num_stale, timetable, **compensation)
   if parallelism != "data" and num_workers != num_stages:
     raise ValueError(
         f"parallelism={parallelism!r} runs N = J micro-batches; got N={num_workers}, "

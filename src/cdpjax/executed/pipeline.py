@@ -59,7 +59,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cdpjax import compiled, engine
+from cdpjax import compensation, compiled, engine
 from cdpjax import executor as executor_lib
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.plan import BWD, FWD
@@ -167,7 +167,8 @@ def portable_fns(trees: Trees, plan, mesh: Mesh, shardings):
   ``shardings(state)``.
   """
   # Per stage: the oldest version some worker reads.
-  depth = engine.stale_depths(plan.delays, range(plan.delays.shape[1]), plan.num_stale)
+  depth = engine.stale_depths(plan.delays, range(plan.delays.shape[1]), plan.num_stale,
+                              plan.predict)
   everywhere = NamedSharding(mesh, P())
 
   def jitted(fn, out_shardings):
@@ -245,28 +246,33 @@ class _Slot(NamedTuple):
   param_sq_K: Any
 
 
-def _branches(staged: StagedModel, axes):
+def _branches(staged: StagedModel, axes, plan: executor_lib.RulePlan):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
   Operands ``(carry, event, stage, stashed, x, labels)``; results ``(send,
   grads, new_state, loss)``, what the event computes (zeros where it computes
   nothing). The version is read inside the branch that uses it, and no state
   (versions, stash, accumulators) is a branch result, so no branch copies one.
+  The plan's weight prediction and DC-ASGD correction act there (`compensation`).
   """
   def in_stage(fn, carry, event, stage, *operands):
-    """``fn(j, theta, *operands)`` on this device's stage ``j``, with ``theta`` the event's
-    version read inside the stage's branch: read outside, the row would be an operand of
-    the stage switch, a stage-sized copy."""
+    """``fn(j, theta, theta_t, *operands)`` on this device's stage ``j``, with ``theta`` the
+    event's (predicted) read and ``theta_t`` the newest version, read inside the stage's
+    branch: read outside, the row would be an operand of the stage switch, a stage-sized copy."""
     versions_VP = carry.versions_VP
-    row = (carry.head + event.version) % (versions_VP.shape[0] // staged.param_size)
+    num_versions = versions_VP.shape[0] // staged.param_size
+    row = (carry.head + event.version) % num_versions
 
     def branch(j):
-      def run(versions_VP, row, *ops):
-        theta = _vary(staged_block(versions_VP, row, staged.param_size), axes)
-        return _vary(fn(j, theta, *ops), axes)
+      def run(versions_VP, head, row, delay, *ops):
+        read = lambda r: _vary(staged_block(versions_VP, r, staged.param_size), axes)
+        theta = read(row)
+        if plan.predict:
+          theta = compensation.predicted(theta, read((row + 1) % num_versions), delay)
+        return _vary(fn(j, theta, lambda: read(head), *ops), axes)
       return run
-    return jax.lax.switch(stage, [branch(j) for j in range(staged.num_stages)], versions_VP, row,
-                          *operands)
+    return jax.lax.switch(stage, [branch(j) for j in range(staged.num_stages)], versions_VP,
+                          carry.head, row, event.delay, *operands)
 
   def finish(*results):
     return _vary(results, axes)
@@ -278,14 +284,19 @@ def _branches(staged: StagedModel, axes):
 
   def forward(ops):
     carry, event, stage, _, x, labels = ops
-    h, loss, new_state = in_stage(staged.apply, carry, event, stage, carry.model_state_M,
-                                  carry.recv_A, x, labels)
+    h, loss, new_state = in_stage(lambda j, theta, _, *ops: staged.apply(j, theta, *ops), carry,
+                                  event, stage, carry.model_state_M, carry.recv_A, x, labels)
     return finish(h, jnp.zeros_like(carry.acc_P), new_state, loss)
 
   def backward(ops):
     carry, event, stage, stashed, x, labels = ops
-    grads, send = in_stage(staged.vjp, carry, event, stage, carry.model_state_M, stashed, x,
-                           labels, carry.recv_A)
+    def vjp(j, theta, theta_t, *ops):
+      grads, send = staged.vjp(j, theta, *ops)
+      if plan.dc_lambda:  # Against theta_t: the stage updates after the step's backwards.
+        grads = compensation.dc_corrected(grads, theta_t(), theta, plan.dc_lambda)
+      return grads, send
+    grads, send = in_stage(vjp, carry, event, stage, carry.model_state_M, stashed, x, labels,
+                           carry.recv_A)
     return finish(send, grads, jnp.zeros_like(carry.new_state_M), jnp.zeros((), jnp.float32))
 
   return [idle, forward, backward]
@@ -333,9 +344,10 @@ class _Timetable(NamedTuple):
     return shifts, lambda slot: slot % self.per_step < self.per_step // 2
 
 
-def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
+def _make_body(staged: StagedModel, tx, plan: executor_lib.RulePlan, tt: _Timetable):
   """The per-device ``K``-step body for ``shard_map``."""
-  branches = _branches(staged, tt.axes)
+  delays = plan.delays
+  branches = _branches(staged, tt.axes, plan)
   permutes, first_permute = tt.permutes()
   stateful = staged.state_size > 0
 
@@ -347,8 +359,9 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     # The mean is replicated over the replicas (as the state is), the new sum varies.
     return total / tt.num_micro, _vary(jnp.zeros_like(total), tt.axes)
 
-  def update(acc_P, carry: _Slot, step):
-    """The stage's optimizer update (and flushed timetables' model-state update)."""
+  def update(acc_P, carry: _Slot, step, first_step):
+    """The stage's optimizer update of the call's step ``step`` (the run's ``first_step +
+    step``), and flushed timetables' model-state update."""
     grads, new_state = acc_P, carry.new_state_M
     if tt.replica_axis:  # One all-reduce per stage and step, where the stage updates.
       grads = jax.lax.psum(grads, tt.replica_axis)
@@ -356,6 +369,9 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
     num_versions = carry.versions_VP.shape[0] // staged.param_size
     params = staged_block(carry.versions_VP, carry.head, staged.param_size)
     updates, opt_state = tx.update(grads, carry.opt_state, params)
+    if plan.lr_delay_scale:
+      scale = compensation.lr_scale(delays, first_step + step, plan.lr_delay_scale)
+      updates = updates * scale[jax.lax.axis_index(STAGE_AXIS)]
     params = optax.apply_updates(params, updates)
     head = (carry.head - 1) % num_versions  # The oldest version's row takes theta_{t+1}.
     model_state = carry.model_state_M
@@ -368,7 +384,7 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
         grad_sq_K=carry.grad_sq_K.at[step].set(_vary(jnp.sum(jnp.square(grads)), tt.axes)),
         param_sq_K=carry.param_sq_K.at[step].set(_vary(jnp.sum(jnp.square(params)), tt.axes)))
 
-  def slot_body(carry: _Slot, slot, x_KxMx, labels_KxMxb):
+  def slot_body(carry: _Slot, slot, x_KxMx, labels_KxMxb, first_step):
     event = tt.event(slot, delays)
     stage = jax.lax.axis_index(STAGE_AXIS)
     stashed = carry.stash_SxA[event.stash]
@@ -393,7 +409,7 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
       carry = carry._replace(model_state_M=model_state, new_state_M=new_state)
     # The accumulator is an operand, not a result: a result passed through is copied.
     rest = carry._replace(acc_P=None)
-    rest = jax.lax.cond(event.then_update, lambda acc, c: update(acc, c, event.step),
+    rest = jax.lax.cond(event.then_update, lambda acc, c: update(acc, c, event.step, first_step),
                         lambda acc, c: c, carry.acc_P, rest)
     carry = rest._replace(acc_P=carry.acc_P)
     if tt.replica_axis:  # The update's all-reduce goes before the permute on every device.
@@ -424,7 +440,7 @@ def _make_body(staged: StagedModel, tx, delays, tt: _Timetable):
         recv_A=_vary(jnp.zeros((act,), jnp.float32), tt.axes),
         loss_K=_vary(zeros_K, tt.axes), grad_sq_K=_vary(zeros_K, tt.axes),
         param_sq_K=_vary(zeros_K, tt.axes))
-    carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, x_KxMx, labels_KxMxb), carry,
+    carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, x_KxMx, labels_KxMxb, state.step), carry,
                             jnp.arange(tt.num_slots))
     glob = lambda tree: jax.tree.map(lambda a: a[None], tree)
     new_state = StagedState(state.step + tt.num_steps, None, (), glob(carry.opt_state),
@@ -477,7 +493,7 @@ def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule
   plan = executor_lib.resolve(rule, "model", num_rows, num_stages, timetable)
   num_micro = int(np.prod([mesh.shape[a] for a in axes[:-1]], dtype=int)) * per_replica
   tt = _Timetable(plan.timetable, axes, num_stages, num_micro, per_replica, scan_steps or 1)
-  body = _make_body(staged, tx, plan.delays, tt)
+  body = _make_body(staged, tx, plan, tt)
   state_spec = StagedState(P(), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS))
   batch_spec = P(None, tt.replica_axis) if tt.replica_axis else P()
   stage_rows = NamedSharding(mesh, P(STAGE_AXIS))

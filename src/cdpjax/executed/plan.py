@@ -34,6 +34,8 @@ class SlotEvent(NamedTuple):
     micro: micro-batch ``i`` within its step (0 when idle).
     num_updates: updates applied to this stage in this call before the slot.
     version: which of the ``D+1`` newest versions the event uses (0 = newest).
+    delay: ``d[i, j]`` of the event's worker: how stale its read is, for weight
+      prediction (``version`` counts from the device's newest version instead).
     stash: the stash entry of this micro-batch's stage input.
     then_update: whether the stage is updated right after this event.
   """
@@ -42,6 +44,7 @@ class SlotEvent(NamedTuple):
   micro: Any
   num_updates: Any
   version: Any
+  delay: Any
   stash: Any
   then_update: Any
 
@@ -69,7 +72,8 @@ def cyclic_event(slot, stage, delays, num_steps: int, xp=np) -> SlotEvent:
   version = updates - step + xp.asarray(delays)[micro, stage]
   return SlotEvent(
       kind=xp.where(valid, xp.where(forward, FWD, BWD), IDLE), step=step, micro=micro,
-      num_updates=updates, version=version, stash=m % max(num_stages - 1, 1),
+      num_updates=updates, version=version, delay=xp.asarray(delays)[micro, stage],
+      stash=m % max(num_stages - 1, 1),
       then_update=valid & ~forward & (micro == num_stages - 1))
 
 
@@ -93,7 +97,8 @@ def gpipe_event(slot, stage, delays, *, num_micro: int, num_steps: int, worker0=
   step = xp.clip(step, 0, num_steps - 1)
   return SlotEvent(
       kind=xp.where(valid, xp.where(forward, FWD, BWD), IDLE), step=step, micro=micro,
-      num_updates=step, version=xp.asarray(delays)[worker0 + micro, stage], stash=micro,
+      num_updates=step, version=xp.asarray(delays)[worker0 + micro, stage],
+      delay=xp.asarray(delays)[worker0 + micro, stage], stash=micro,
       then_update=r == 2 * phase - 1)
 
 
