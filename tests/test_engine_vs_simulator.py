@@ -126,11 +126,10 @@ def test_weight_prediction_equals_simulator(num_workers, num_stages, rule):
 
 
 
-def test_delay_compensation_is_refused_under_zero():
-  for key in ({"predict": True}, {"dc_lambda": 0.5}, {"lr_delay_scale": 0.5}):
-    with pytest.raises(ValueError, match="Delay compensation .* not yet under 'zero'"):
-      executor.resolve("cdp-v2", "zero", 2, 2, **key)
-    assert executor.resolve("cdp-v2", "model", 2, 2, **key)._asdict().items() >= key.items()
+def test_delay_compensations_resolve_for_every_parallelism():
+  for parallelism in executor.PARALLELISMS:
+    for key in ({"predict": True}, {"dc_lambda": 0.5}, {"lr_delay_scale": 0.5}):
+      assert executor.resolve("cdp-v2", parallelism, 2, 2, **key)._asdict().items() >= key.items()
 
 
 @pytest.mark.parametrize("rule,predict,scale", [

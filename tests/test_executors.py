@@ -141,7 +141,7 @@ def test_every_model_parallelism_and_rule_runs_the_engines_run(model, parallelis
   check_against_the_engine(model, parallelism, rule, 2, workdir_root, capsys)
 
 
-@pytest.mark.parametrize("parallelism", ["model"])
+@pytest.mark.parametrize("parallelism", PARALLELISMS)
 def test_delay_compensations_run_the_engines_run(parallelism, workdir_root, capsys):
   """Weight prediction, DC-ASGD and the delay-scaled rate from the config: the executed run is
   the engine's compensated run (tests/test_pipeline.py checks each step's numbers), and the

@@ -29,10 +29,11 @@ def mesh_of(n, replicas=None):
 
 @functools.cache
 def executor_of(name, rule, num_workers, timetable=None, scan_steps=None, replicas=None,
-                flat=False):
+                flat=False, compensated=False):
   """The executor as the launcher builds it (ZeRO-3's stages padded to TPU tiles), or ``flat``:
-  stage buffers padded to a multiple of N only."""
-  plan_ = executor.resolve(rule, "zero", num_workers, num_workers, timetable)
+  stage buffers padded to a multiple of N only; ``compensated``: with ``ref.COMPENSATIONS``."""
+  plan_ = executor.resolve(rule, "zero", num_workers, num_workers, timetable,
+                           **(ref.COMPENSATIONS if compensated else {}))
   pad_to = num_workers if flat else zero.pad_to(num_workers, plan_.timetable)
   return zero.make_executor(ref.staged_of(name, num_workers, pad_to=pad_to), ref.make_tx(name),
                             rule=plan_, mesh=mesh_of(num_workers, replicas), scan_steps=scan_steps)
@@ -43,9 +44,11 @@ def initial_state(ex, name, num_workers):
   return ex.init(params, model_state)
 
 
-def zero_run(name, rule, num_workers, scan_steps=None, replicas=None, flat=False):
+def zero_run(name, rule, num_workers, scan_steps=None, replicas=None, flat=False,
+             timetable=None, compensated=False):
   """NUM_STEPS steps, ``scan_steps`` per call: per-step metrics and the final variables."""
-  ex = executor_of(name, rule, num_workers, scan_steps=scan_steps, replicas=replicas, flat=flat)
+  ex = executor_of(name, rule, num_workers, timetable, scan_steps=scan_steps, replicas=replicas,
+                   flat=flat, compensated=compensated)
   state = initial_state(ex, name, num_workers)
   data, metrics = ref.batches(name, num_workers * (replicas or 1)), []
   per_call = scan_steps or 1
@@ -67,6 +70,20 @@ def test_residual_mlp_matches_engine(rule, timetable, num_workers, scan_steps, f
   metrics, variables, plan_ = zero_run("residual_mlp", rule, num_workers, scan_steps, flat=flat)
   assert plan_.timetable == timetable  # dp runs ZeRO-3, the cdp rules the cyclic ring.
   ref.assert_matches_engine(metrics, variables, "residual_mlp", rule, num_workers)
+
+
+@pytest.mark.parametrize("rule, timetable, scan_steps, replicas", [
+    ("cdp-v2", None, 2, None), ("cdp-v1", None, None, 2), ("cdp-v2", "zero3", 2, None)])
+def test_delay_compensations_match_the_engine(rule, timetable, scan_steps, replicas):
+  """Weight prediction (the owner sends the extrapolated read), DC-ASGD (the chains carry the
+  sum of g * g per delay; the owner adds its correction against theta_t) and the delay-scaled
+  rate, together, as the engine runs them, on the ring and on ZeRO-3's lockstep."""
+  metrics, variables, plan_ = zero_run("residual_mlp", rule, 4, scan_steps, replicas,
+                                       timetable=timetable, compensated=True)
+  assert (plan_.predict, plan_.dc_lambda, plan_.lr_delay_scale) == tuple(
+      ref.COMPENSATIONS.values())
+  ref.assert_matches_engine(metrics, variables, "residual_mlp", rule, 4,
+                            replicas=replicas or 1, compensated=True)
 
 
 @pytest.mark.parametrize("scan_steps", [None, 2])

@@ -100,7 +100,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.warmup_epochs = 0.0
   c.warmup_steps = 0  # > 0: warm-up in steps, instead of warmup_epochs.
   c.grad_clip_norm = 0.0  # > 0: clip the gradient to this global norm (parallelism=data).
-  # Delay compensation (parallelism=data or model): a stale read of theta_{t-d} uses
+  # Delay compensation, under every parallelism: a stale read of theta_{t-d} uses
   # theta_{t-d} + d * (theta_{t-d} - theta_{t-d-1}); a stage read stale keeps one more version.
   c.weight_prediction = False
   # DC-ASGD's correction: a worker's gradient g of a stage it read stale counts
@@ -199,12 +199,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for key in ("dc_lambda", "lr_delay_scale"):
     if c[key] < 0:
       raise ValueError(f"--config.{key} must be >= 0 (0: off), got {c[key]}.")
-  for key, off in (("weight_prediction", False), ("dc_lambda", 0.0), ("lr_delay_scale", 0.0)):
-    if c[key] != off and c.parallelism == "zero":
-      raise ValueError(
-          f"--config.{key} runs in the engine and under parallelism=model, not yet under "
-          f"parallelism='zero': set --config.parallelism=data or model, or "
-          f"--config.{key}={off}.")
   if c.grad_clip_norm and c.parallelism != "data":
     raise ValueError(
         f"--config.grad_clip_norm={c.grad_clip_norm} clips by the norm over all stages, but "

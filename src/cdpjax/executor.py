@@ -152,7 +152,7 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
   on; given a ``RulePlan``, this checks that it is for ``parallelism``, ``N``
   and ``J`` and returns it. ``predict``, ``dc_lambda`` and ``lr_delay_scale``:
   the delay compensations of `RulePlan` (`compensation`), which the engine
-  and the executed pipeline (``parallelism='model'``) run.
+  and every executed timetable run.
   """
   if isinstance(rule, RulePlan):
     shape = ((rule.rule.num_workers, rule.rule.num_stages) if rule.delays is None
@@ -169,11 +169,6 @@ def resolve(rule, parallelism: str, num_workers: int, num_stages: int,
     lr_delay_scale, rule = lr_delay_scale or rule.lr_delay_scale, rule.rule
   if parallelism not in PARALLELISMS:
     raise ValueError(f"Unknown parallelism {parallelism!r}: use one of {PARALLELISMS}.")
-  if (predict or dc_lambda or lr_delay_scale) and parallelism == "zero":
-    raise ValueError("Delay compensation (weight prediction, DC-ASGD, a delay-scaled learning "
-                     "rate) runs in the engine and under parallelism='model', not yet under "
-                     "'zero': use parallelism='data' or 'model', or turn weight_prediction, "
-                     "dc_lambda and lr_delay_scale off.")
   compensation = dict(predict=bool(predict), dc_lambda=float(dc_lambda),
                       lr_delay_scale=float(lr_delay_scale))
   if isinstance(rule, schedule.DelayRule):  # New delays every step: only the engine runs them.

@@ -43,6 +43,12 @@ the start of a call and drains at its end. Between calls the state is the
 engine's, ``(theta_t, ..., theta_{t-D})`` and the optimizer state, so the
 numbers equal ``engine.make_train_step`` step by step for every ``K``.
 
+Delay compensations (`executor.RulePlan`, `compensation`): weight prediction
+extrapolates a read inside its stage branch by the worker's delay ``d[i, j]``
+(one more version in the ring); DC-ASGD corrects each backward's gradient
+against the newest version, ``theta_t`` until the stage's update; the
+delay-scaled rate scales the stage's update.
+
 The optimizer runs per stage on one flat vector, so it must act elementwise
 (``sgd``, ``adam``, weight decay): a global-norm clip would see one stage only.
 A decision per leaf is made on the tree and kept in the optimizer state

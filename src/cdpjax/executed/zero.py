@@ -50,6 +50,14 @@ all-reduce. Rule ``dp`` runs this way (`executor.resolve`).
 ``psum`` per stage and step, where the stage updates: the engine with ``R*N``
 workers and the ring's delay matrix tiled ``R`` times.
 
+Delay compensations (`executor.RulePlan`, `compensation`): the owner
+extrapolates the version it sends or uses (weight prediction; one more version
+of the owned stage, messages unchanged). DC-ASGD's ``theta_t`` is the owner's
+alone, so the gradient chains also carry, per delay ``d > 0`` of the rule, the
+sum of ``g * g`` of the workers that read the stage ``d`` stale (a message of
+``2P + M`` for cdp-v1 and cdp-v2), and the owner adds the correction at its
+update. ZeRO-3 gathers the extra versions those need.
+
 The optimizer sees each stage as one flat vector, so it must act elementwise
 (sgd, momentum, adam, weight decay): a transform that needs a global view,
 such as ``clip_by_global_norm``, would need an all-reduce.
@@ -65,7 +73,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cdpjax import compiled, engine
+from cdpjax import compensation, compiled, engine
 from cdpjax import executor as executor_lib
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.pipeline import StagedState, Trees, portable_fns, replicated
@@ -221,11 +229,14 @@ class Ring(NamedTuple):
   axes: tuple
   num_replicas: int
   plan: plan_lib.ZeroPlan
+  dc_delays: tuple = ()  # With DC-ASGD: the delays d > 0 whose g * g sums the chains carry.
 
   @property
   def size_q(self) -> int:
-    """A message: a stage buffer and a model state, or a gradient and the next model state."""
-    return self.size_p + self.size_m
+    """A message: a stage buffer and a model state, or a gradient and the next model state;
+    with DC-ASGD, then per delay ``d`` of ``dc_delays`` the sum of ``g * g`` of the workers
+    that read the stage ``d`` stale (zeros in a stage message)."""
+    return self.size_p * (1 + len(self.dc_delays)) + self.size_m
 
   def vary(self, tree, state=False):
     """Typed for the carry: the owned stage is the same on every replica, the rest is not."""
@@ -270,14 +281,36 @@ class Ring(NamedTuple):
     return jax.lax.ppermute(buffer, AXIS, pairs)
 
 
-def _update(ring: Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
-  """The owner's optimizer step on its stage, with the chains' sum (and the replicas')."""
+def _read(carry: _Carry, version, delay, predict: bool):
+  """The owner's read of its stage ``version`` rows behind its newest, ``delay`` steps stale
+  for the reader: with weight prediction, extrapolated (`compensation.predicted`)."""
+  num_versions = len(carry.versions_V)
+  theta = _version(carry.versions_V, (carry.head + version) % num_versions)
+  if not predict:
+    return theta
+  return compensation.predicted(
+      theta, _version(carry.versions_V, (carry.head + version + 1) % num_versions), delay)
+
+
+def _update(ring: Ring, tx, rule: executor_lib.RulePlan, carry: _Carry, final_Q, step,
+            first_step) -> _Carry:
+  """The owner's optimizer step on its stage, with the chains' sum (and the replicas'), of the
+  call's step ``step`` (the run's ``first_step + step``)."""
   acc = staged_block(carry.grads_3Q, 2, final_Q.shape[0]) + final_Q
   if ring.num_replicas > 1:
     acc = jax.lax.psum(acc, REPLICA)  # The one all-reduce of this stage and step.
-  grads = acc[:ring.size_p] / (ring.num_workers * ring.num_replicas)
   params = _version(carry.versions_V, carry.head)
+  grads = acc[:ring.size_p]
+  for k, d in enumerate(ring.dc_delays):  # DC-ASGD: the sum of g * g (theta_t - theta_read).
+    squares = acc[ring.size_p * (1 + k) + ring.size_m:][:ring.size_p]
+    read = _read(carry, d, d, rule.predict)  # theta_{t-d}: the head is theta_t.
+    grads = grads + rule.dc_lambda * squares * (params - read)
+  grads = grads / (ring.num_workers * ring.num_replicas)
   updates, opt_state = tx.update(grads, carry.opt_state, params)
+  if rule.lr_delay_scale:
+    stage = ring.num_workers - 1 - jax.lax.axis_index(AXIS)
+    updates = updates * compensation.lr_scale(rule.delays, first_step + step,
+                                              rule.lr_delay_scale)[stage]
   params = optax.apply_updates(params, updates)
   head = (carry.head - 1) % len(carry.versions_V)  # The oldest version's buffer takes theta_{t+1}.
   stats = carry.stats_3xK.at[1, step].set(ring.vary(jnp.sum(jnp.square(grads))))
@@ -286,7 +319,7 @@ def _update(ring: Ring, tx, carry: _Carry, final_Q, step) -> _Carry:
       versions_V=tuple(jnp.where(head == k, params, v) for k, v in enumerate(carry.versions_V)),
       head=head,
       opt_state=ring.vary(opt_state, state=True),
-      model_state_M=ring.vary(acc[ring.size_p:] / ring.num_replicas, state=True),
+      model_state_M=ring.vary(acc[ring.size_p:][:ring.size_m] / ring.num_replicas, state=True),
       stats_3xK=stats)
 
 
@@ -323,21 +356,33 @@ def _branches(staged: StagedModel, ring: Ring):
     j = ev["stage"]
     grads, cot = staged.vjp(j, buf, c.stash_JxM[j], c.stash_JxA[j], x, labels, c.cot_A)
     next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
+    # DC-ASGD: the owner adds dc_lambda * g * g * (theta_t - theta_read) per delay d.
+    squares = [jnp.where(ev["delay"] == d, grads * grads, 0.0) for d in ring.dc_delays]
     return ring.vary((c.h_A, cot, c.stash_JxA, c.stash_JxM, c.next_JxM,
-                      jnp.concatenate([grads, next_state]),
+                      jnp.concatenate([grads, next_state, *squares]),
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   return [idle, forward, backward]
 
 
-def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_replicas: int):
+def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps: int, axes,
+                 num_replicas: int):
   """The per-worker ``K``-step cyclic body for ``shard_map``: a ``lax.scan`` over the plan's slots."""
+  delays = rule.delays
   plan = plan_lib.zero_plan(delays, num_steps)
+  dc_delays = tuple(sorted(set(delays[delays > 0].tolist()))) if rule.dc_lambda else ()
   ring = Ring(staged.num_stages, staged.param_size, staged.state_size, tuple(axes),
-               num_replicas, plan)
+               num_replicas, plan, dc_delays)
   tables = {k: getattr(plan, k) for k in ("kind", "stage", "step", "version", "source", "update",
                                           "update_step", "grad_chain", "grad_end", "state_ring")}
   tables["send_version"] = plan.send_version()
+  # The reader's delay d[i, j] (weight prediction's factor, DC's sum): of each event, and of
+  # the worker each owner's message goes to.
+  tables["delay"] = delays[np.arange(ring.num_workers)[None, :], plan.stage]
+  tables["send_delay"] = np.zeros_like(plan.version)
+  for t in plan.transfers:
+    if t.route == "owner":
+      tables["send_delay"][t.slot, t.src] = delays[t.dst, t.stage]
   branches = _branches(staged, ring)
   size_p, size_m = ring.size_p, ring.size_m
   assert (plan.update.sum(axis=0) == num_steps).all()  # `_by_age` relies on it.
@@ -346,32 +391,35 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
                      "offsets (3 of them in one buffer): cut the model into more stages.")
   rounds = plan_lib.message_rounds(plan)
 
-  def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB):
+  def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB, first_step):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
-    own = lambda c, v: ring.vary(_version(c.versions_V, (c.head + v) % len(c.versions_V)))
+    own = lambda c, v, d: ring.vary(_read(c, v, d, rule.predict))
     parity = slot % 2
+    stage_pad = [jnp.zeros((ring.size_q - size_p - size_m,), jnp.float32)] if dc_delays else []
 
     def message(m, used, grads):
       """Sent on: a ring's stage buffer or chain partial sum of 2 slots ago, an owner's version
       and model state (never in the slot of its update: `plan.message_rounds`), worker N-1's
       tail-chain sum of 1 slot ago."""
       param_owner, grad_final = plan_lib.PARAM_OWNER, plan_lib.GRAD_FINAL
-      stage = jnp.where(m == param_owner, own(c, ev["send_version"]), used[parity])
+      stage = jnp.where(m == param_owner, own(c, ev["send_version"], ev["send_delay"]),
+                        used[parity])
       grad = staged_block(grads, jnp.where(m == grad_final, 1 - parity, parity), ring.size_q)
-      return jnp.where(m <= param_owner, jnp.concatenate([stage, ring.vary(c.model_state_M)]),
-                       grad)
+      return jnp.where(m <= param_owner, jnp.concatenate(
+          [stage, ring.vary(c.model_state_M)] + stage_pad), grad)
     out = ring.send(rounds, slot, me, message, c.used_2xP, c.grads_3Q)
     pick = lambda kind: functools.reduce(
         lambda acc, r: jnp.where(jnp.asarray(rounds.received[kind])[slot, me] == r, out[r], acc),
         range(1, len(out)), out[0])
     # Picked where used: a conditional's operand would be written out in full every slot.
     c = jax.lax.cond(ev["update"] == 1,
-                     lambda c: _update(ring, tx, c, pick("grad"), ev["update_step"]),
+                     lambda c: _update(ring, tx, rule, c, pick("grad"), ev["update_step"],
+                                       first_step),
                      lambda c: c, c)
     param_in = pick("param")
     local = ev["source"] == plan_lib.LOCAL
-    buf = jnp.where(local, own(c, ev["version"]), param_in[:size_p])
-    first_state = jnp.where(local, c.model_state_M, param_in[size_p:])
+    buf = jnp.where(local, own(c, ev["version"], ev["delay"]), param_in[:size_p])
+    first_state = jnp.where(local, c.model_state_M, param_in[size_p:][:size_m])
     state = jnp.concatenate([first_state, jnp.zeros((size_m,), jnp.float32)])
     if size_m:
       after = c.stats_3xK[0, 0]  # Written by the update's conditional: the state ring goes after.
@@ -409,7 +457,7 @@ def _cyclic_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_repl
         state_2x2M=zeros(2, 2 * size_m), h_A=zeros(act), cot_A=zeros(act),
         stash_JxA=zeros(ring.num_workers, act), stash_JxM=zeros(ring.num_workers, size_m),
         next_JxM=zeros(ring.num_workers, size_m), stats_3xK=zeros(3, num_steps))
-    carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, me, x, labels), carry,
+    carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, me, x, labels, state.step), carry,
                             jnp.arange(plan.num_slots))
     # The versions leave in the buffers they came in (`_by_age` puts them back in order).
     versions = carry.versions_V
@@ -438,8 +486,9 @@ def _by_age(state: StagedState, num_steps: int) -> StagedState:
   return state._replace(params=aged[0], stale_params=tuple(aged[1:]))
 
 
-def _zero3_step(staged: StagedModel, tx, delays, num_replicas: int):
+def _zero3_step(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_replicas: int):
   """One ZeRO-3 step of one worker (lockstep DP, stages gathered at use)."""
+  delays = rule.delays
   num_workers = num_stages = staged.num_stages
   num_total = num_workers * num_replicas
   axes = (REPLICA, AXIS) if num_replicas > 1 else (AXIS,)
@@ -452,7 +501,8 @@ def _zero3_step(staged: StagedModel, tx, delays, num_replicas: int):
     x, y = batch
 
     def gather(versions, j, after=None):
-      """This worker's view of stage ``j``: every version it may read, gathered.
+      """This worker's view of stage ``j`` and ``theta_t`` where DC-ASGD needs it: every
+      version it may read (with weight prediction, the one before each), gathered.
 
       ``after`` adds ``0 * after`` to the shards: a data dependence XLA cannot
       fold (``0 * nan`` is not 0), so a backward gathers again at use instead of
@@ -460,14 +510,20 @@ def _zero3_step(staged: StagedModel, tx, delays, num_replicas: int):
       before CSE on CPU).
       """
       column = sorted(set(delays[:, j].tolist()))
+      needed = set(column) | {v + 1 for v in column if v and rule.predict}
+      needed |= {0} if rule.dc_lambda and after is not None else set()
       shard = lambda v: versions[v][owner(j, num_stages)]
       if after is not None:
         shard = lambda v, shard=shard: shard(v) + 0 * after
-      full = {v: untile(jax.lax.all_gather(tile(shard(v)), AXIS, tiled=True)) for v in column}
-      view = full[column[0]]
+      full = {v: untile(jax.lax.all_gather(tile(shard(v)), AXIS, tiled=True))
+              for v in sorted(needed)}
+      # Lockstep: the version read is the delay (the step updates after every read).
+      read = lambda v: (compensation.predicted(full[v], full[v + 1], v) if v and rule.predict
+                        else full[v])
+      view = read(column[0])
       for v in column[1:]:
-        view = jnp.where(jnp.asarray(delays[:, j])[me] == v, full[v], view)
-      return view
+        view = jnp.where(jnp.asarray(delays[:, j])[me] == v, read(v), view)
+      return view, full.get(0)
 
     versions = state.versions  # Each [N, P/N].
     states = (jnp.zeros((num_stages, 0), jnp.float32) if state.model_state is None
@@ -477,21 +533,26 @@ def _zero3_step(staged: StagedModel, tx, delays, num_replicas: int):
     stash, new_states = [], []
     for j in range(num_stages):
       stash.append(h)
-      h, loss, new_state = staged.apply(j, gather(versions, j),
+      h, loss, new_state = staged.apply(j, gather(versions, j)[0],
                                         states[owner(j, num_stages)], h, x, y)
       new_states.append(new_state)
     cot = jnp.zeros_like(h)
     grads = [None] * num_workers
     for j in reversed(range(num_stages)):
       after = loss if j == num_stages - 1 else cot[0]
-      grad, cot = staged.vjp(j, gather(versions, j, after),
-                             states[owner(j, num_stages)], stash[j], x, y, cot)
+      view, fresh = gather(versions, j, after)
+      grad, cot = staged.vjp(j, view, states[owner(j, num_stages)], stash[j], x, y, cot)
+      if rule.dc_lambda:
+        grad = compensation.dc_corrected(grad, fresh, view, rule.dc_lambda)
       grad = untile(jax.lax.psum_scatter(tile(grad), AXIS, tiled=True))
       if num_replicas > 1:
         grad = jax.lax.psum(grad, REPLICA)  # One all-reduce per stage and step.
       grads[owner(j, num_stages)] = grad / num_total
     grads = jnp.stack(grads)
     updates, opt_state = jax.vmap(tx.update)(grads, state.opt_state, state.params)
+    if rule.lr_delay_scale:  # Rows in owner order: row o is stage J-1-o.
+      scale = compensation.lr_scale(delays, state.step, rule.lr_delay_scale)
+      updates = updates * scale[::-1, None]
     model_state = state.model_state
     if model_state is not None:
       model_state = jax.lax.pmean(jnp.stack(new_states[::-1]), axes)
@@ -505,10 +566,11 @@ def _zero3_step(staged: StagedModel, tx, delays, num_replicas: int):
   return step
 
 
-def _zero3_body(staged: StagedModel, tx, delays, num_steps: int, axes, num_replicas: int):
+def _zero3_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps: int, axes,
+                num_replicas: int):
   """The per-worker ``K``-step ZeRO-3 body for ``shard_map``: a ``lax.scan`` over steps."""
   del num_steps, axes  # The batch's leading axis gives K.
-  step = _zero3_step(staged, tx, delays, num_replicas)
+  step = _zero3_step(staged, tx, rule, num_replicas)
 
   def body(state: StagedState, batch):
     state, rows = jax.lax.scan(step, state, (batch["image"], batch["label"]))
@@ -547,7 +609,7 @@ def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule
   _check_staged(staged, num_workers)
   plan = _resolve(rule, timetable, num_workers)
   make_body = _cyclic_body if plan.timetable == "cyclic" else _zero3_body
-  body = make_body(staged, tx, plan.delays, scan_steps or 1, axes, num_replicas)
+  body = make_body(staged, tx, plan, scan_steps or 1, axes, num_replicas)
   batch_spec = P(None, axes)
 
   def run(state: StagedState, batch):
