@@ -7,8 +7,8 @@ optimizer)'s best grid point (issue 35). Tasks, in this order (the most
 informative first):
 
 - ``lm``: ``configs/lm.py`` (the quick-start transformer, 600 steps, 4 workers x
-  4 stages), AdamW (weight decay 0.1, the config's) at lr 5e-4..1.6e-2 (dp was best at
-  8e-3, the first grid's edge), then SGD
+  4 stages), AdamW (weight decay 0.1, the config's) at lr 5e-4..6.4e-2 (dp was best at
+  8e-3, then 1.6e-2, each the grid's edge at the time), then SGD
   with momentum 0.9 (no weight decay: the coupled 0.1 would be far too strong)
   at lr 0.006..2 (placed by the probes below); warm-up 10% or 2% of the steps;
   cosine decay, gradients clipped to norm 1 (the config's). Metric: final eval
@@ -26,13 +26,13 @@ summary ``lm_sweep.json`` (the grid, and per (task, optimizer, rule) the best
 point's mean +- std over seeds) is rewritten, and, unless ``--quick``, the figure
 ``--figure`` (final metric against lr per rule, best-point curves):
 
-  python experiments/lm_sweep.py                     # lm then digits: 112 + 21 runs
+  python experiments/lm_sweep.py                     # lm then digits: 128 + 21 runs
   python experiments/lm_sweep.py --task lm           # the language model only
   python experiments/lm_sweep.py --task digits       # the ResNet-18 only
   python experiments/lm_sweep.py --quick             # smoke configs, 2 lrs x 2 rules per task
 
 Time on the 2 shared cores here: an lm run takes ~2.3 min at an idle machine
-(README: 2 min 16 s), so the 112 lm runs take ~4.3 h, more when the cores are
+(README: 2 min 16 s), so the 128 lm runs take ~5 h, more when the cores are
 shared (8.5 min a run at a load of 12); the digits runs' time is in their
 ``wall_time_s``. ``--quick`` takes a minute or two (8 smoke runs).
 
@@ -70,7 +70,7 @@ SGD_PROBES = {("cdp-v1", 0.005): 4.647, ("cdp-v1", 0.02): 4.449, ("cdp-v1", 0.1)
 # task -> optimizer -> (learning rates, warm-up fractions of the steps, optimizer keys).
 GRIDS = {
     "lm": {
-        "adamw": ((5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2), (0.10, 0.02), {}),
+        "adamw": ((5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2), (0.10, 0.02), {}),
         "sgd": ((0.006, 0.02, 0.06, 0.2, 0.6, 2.0), (0.10, 0.02),
                 {"momentum": 0.9, "weight_decay": 0.0}),
     },
