@@ -75,6 +75,18 @@ def test_memory_reads_the_per_device_shard(mesh, x):
                                  + stats["temp_bytes"] - stats["alias_bytes"])
 
 
+def test_buffer_assignment_holds_arguments_and_outputs(mesh, x, tmp_path):
+  """The dumped buffer assignment of the default memory space: at least the shard passed in
+  and the one returned (not donated)."""
+  program = _lower(mesh, x, lambda a: jnp.tanh(a) @ a.T @ a).compile(
+      compiler_options={"xla_dump_to": str(tmp_path)})
+  spaces = compiled.buffer_assignment_bytes(str(tmp_path))
+  assert spaces["default"] >= 2 * SHARD_BYTES, spaces
+  with pytest.raises(ValueError, match="found 0"):
+    compiled.buffer_assignment_bytes(str(tmp_path / "empty"))
+  del program
+
+
 def test_flops_of_a_matmul():
   a, b = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 4), jnp.float32)
   assert compiled.flops(jax.jit(jnp.matmul).lower(a, b).compile()) == 2 * 8 * 16 * 4

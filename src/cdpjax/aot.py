@@ -27,6 +27,8 @@ import json
 import math
 import os
 import re
+import shutil
+import tempfile
 
 GIB = 1 << 30
 # HBM per chip, from the Cloud TPU documentation's system architecture pages
@@ -183,9 +185,12 @@ def compile_uncached(lowered, compiler_options=None):
 def report(lowered, topology: str) -> dict:
   """What the TPU compiler makes of ``lowered``: per-chip memory, collectives, fit.
 
-  ``peak_bytes`` is XLA's argument + output + temp - alias estimate
-  (`cdpjax.compiled.memory`); ``fits`` compares it with the chip's HBM
-  (`CHIP_HBM_BYTES`). Collectives are the collective instructions of the
+  ``hbm_bytes`` is the HBM of the TPU's buffer assignment (arguments, the temp
+  heap at its peak, constants; `cdpjax.compiled.buffer_assignment_bytes`),
+  ``vmem_bytes`` its on-chip memory; ``fits`` compares ``hbm_bytes`` with the
+  chip's HBM (`CHIP_HBM_BYTES`). ``peak_bytes`` is XLA's argument + output +
+  temp - alias estimate (`cdpjax.compiled.memory`), kept for reference: its
+  temp is not the HBM heap. Collectives are the collective instructions of the
   compiled program with the bytes of their results on one chip
   (`cdpjax.hlo.collective_summary`): ``count`` and ``bytes`` count each
   instruction once; ``count_min``/``_max`` and ``bytes_min``/``_max`` are per
@@ -193,8 +198,10 @@ def report(lowered, topology: str) -> dict:
   take (bounds where a branch cannot be read statically).
   """
   from cdpjax import compiled, hlo  # pylint: disable=g-import-not-at-top
+  dump = tempfile.mkdtemp(prefix="cdpjax-aot-")
   try:
-    program = compile_uncached(lowered)
+    program = compile_uncached(lowered, {"xla_dump_to": dump})
+    spaces = compiled.buffer_assignment_bytes(dump)
   except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
     if "should include all slice devices" not in str(e):
       raise
@@ -204,7 +211,10 @@ def report(lowered, topology: str) -> dict:
         "with as many chips as the mesh (e.g. v5e:2x2 for 4 stages), or fill the chips: "
         "num_workers = chips (parallelism=data), or num_replicas = chips / J "
         "(parallelism=model or zero: R copies of the executed schedule).") from e
+  finally:
+    shutil.rmtree(dump, ignore_errors=True)
   memory = compiled.memory(program)
+  memory.update(hbm_bytes=spaces["default"], vmem_bytes=spaces.get("vmem", 0))
   chip, num_chips = parse_topology(topology)
   hbm = CHIP_HBM_BYTES[chip]
   return {
@@ -213,7 +223,7 @@ def report(lowered, topology: str) -> dict:
       "memory_per_chip": memory,
       "hbm_per_chip_bytes": hbm,
       "hbm_source": HBM_SOURCE,
-      "fits": memory["peak_bytes"] <= hbm,
+      "fits": memory["hbm_bytes"] <= hbm,
       "collectives": hlo.collective_summary(compiled.hlo_text(program)),
   }
 
@@ -240,7 +250,8 @@ def write(result: dict, workdir: str) -> str:
 
 
 def _gib(nbytes: float) -> str:
-  return f"{nbytes / GIB:.3f} GiB"
+  """GiB, or MiB below one GiB (the quick starts' programs)."""
+  return f"{nbytes / GIB:.3f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.2f} MiB"
 
 
 def _range(low: float, high: float, spec: str) -> str:
@@ -254,12 +265,13 @@ def summary(result: dict) -> str:
       f"{result['runs']}",
       f"topology {result['topology']}: {result['chips']} chips, the program uses "
       f"{result['devices_used']} (mesh {result['mesh']}); {result['num_params']:,} parameters",
-      "per chip (XLA's estimate; the temp of a program with loops can exceed the HBM its "
-      "buffer assignment uses: docs/multihost.md):",
+      "per chip, the buffer assignment:",
+      f"  HBM used        {_gib(m['hbm_bytes'])} of {_gib(result['hbm_per_chip_bytes'])}: "
+      + ("fits" if result["fits"] else "DOES NOT FIT"),
+      f"  on-chip (VMEM)  {_gib(m['vmem_bytes'])}",
+      "XLA's memory analysis (its temp is not the HBM heap: docs/multihost.md):",
       *[f"  {key:<15} {_gib(m[key + '_bytes'])}" for key in
         ("argument", "output", "temp", "alias", "peak")],
-      f"  HBM             {_gib(result['hbm_per_chip_bytes'])}: "
-      + ("fits" if result["fits"] else "DOES NOT FIT"),
       "collectives per chip and step (loops' trips and the branches taken counted; "
       "a range where a branch depends on data):",
       *[f"  {kind:<20} {_range(c['count_min'], c['count_max'], '.0f'):>9} ops "
