@@ -326,7 +326,7 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
 
 def peak_bytes(compiled: dict) -> int:
   """Per chip: the HBM of the buffer assignment, or XLA's estimate for a point compiled before
-  cdpjax-compile read it (`cdpjax.compiled.buffer_assignment_bytes`)."""
+  cdpjax-compile read it (`cdpjax.compiled.buffer_assignment`)."""
   m = compiled["memory_per_chip"]
   return m.get("hbm_bytes", m["peak_bytes"])
 

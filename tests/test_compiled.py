@@ -80,10 +80,12 @@ def test_buffer_assignment_holds_arguments_and_outputs(mesh, x, tmp_path):
   and the one returned (not donated)."""
   program = _lower(mesh, x, lambda a: jnp.tanh(a) @ a.T @ a).compile(
       compiler_options={"xla_dump_to": str(tmp_path)})
-  spaces = compiled.buffer_assignment_bytes(str(tmp_path))
-  assert spaces["default"] >= 2 * SHARD_BYTES, spaces
+  assignment = compiled.buffer_assignment(str(tmp_path))
+  total, by_kind = assignment["spaces"]["default"], assignment["default_by_kind"]
+  assert total >= 2 * SHARD_BYTES and by_kind["parameter"] >= SHARD_BYTES, assignment
+  assert sum(by_kind.values()) == total  # The allocations add up to the report's total.
   with pytest.raises(ValueError, match="found 0"):
-    compiled.buffer_assignment_bytes(str(tmp_path / "empty"))
+    compiled.buffer_assignment(str(tmp_path / "empty"))
   del program
 
 

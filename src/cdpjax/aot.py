@@ -185,8 +185,8 @@ def compile_uncached(lowered, compiler_options=None):
 def report(lowered, topology: str) -> dict:
   """What the TPU compiler makes of ``lowered``: per-chip memory, collectives, fit.
 
-  ``hbm_bytes`` is the HBM of the TPU's buffer assignment (arguments, the temp
-  heap at its peak, constants; `cdpjax.compiled.buffer_assignment_bytes`),
+  ``hbm_bytes`` is the HBM of the TPU's buffer assignment (`cdpjax.compiled.buffer_assignment`;
+  ``hbm_by_kind``: the arguments, the temp heap at its peak, constants...),
   ``vmem_bytes`` its on-chip memory; ``fits`` compares ``hbm_bytes`` with the
   chip's HBM (`CHIP_HBM_BYTES`). ``peak_bytes`` is XLA's argument + output +
   temp - alias estimate (`cdpjax.compiled.memory`), kept for reference: its
@@ -201,7 +201,7 @@ def report(lowered, topology: str) -> dict:
   dump = tempfile.mkdtemp(prefix="cdpjax-aot-")
   try:
     program = compile_uncached(lowered, {"xla_dump_to": dump})
-    spaces = compiled.buffer_assignment_bytes(dump)
+    assignment = compiled.buffer_assignment(dump)
   except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
     if "should include all slice devices" not in str(e):
       raise
@@ -214,7 +214,9 @@ def report(lowered, topology: str) -> dict:
   finally:
     shutil.rmtree(dump, ignore_errors=True)
   memory = compiled.memory(program)
-  memory.update(hbm_bytes=spaces["default"], vmem_bytes=spaces.get("vmem", 0))
+  memory.update(hbm_bytes=assignment["spaces"]["default"],
+                vmem_bytes=assignment["spaces"].get("vmem", 0),
+                hbm_by_kind=assignment["default_by_kind"])
   chip, num_chips = parse_topology(topology)
   hbm = CHIP_HBM_BYTES[chip]
   return {
@@ -268,6 +270,7 @@ def summary(result: dict) -> str:
       "per chip, the buffer assignment:",
       f"  HBM used        {_gib(m['hbm_bytes'])} of {_gib(result['hbm_per_chip_bytes'])}: "
       + ("fits" if result["fits"] else "DOES NOT FIT"),
+      "  of it: " + ", ".join(f"{kind} {_gib(n)}" for kind, n in m["hbm_by_kind"].items()),
       f"  on-chip (VMEM)  {_gib(m['vmem_bytes'])}",
       "XLA's memory analysis (its temp is not the HBM heap: docs/multihost.md):",
       *[f"  {key:<15} {_gib(m[key + '_bytes'])}" for key in

@@ -43,27 +43,45 @@ def compiler_options(mesh) -> dict[str, object]:
           "xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def buffer_assignment_bytes(dump_dir: str) -> dict[str, int]:
-  """Bytes per memory space of the buffer assignment XLA dumped into ``dump_dir``.
+def buffer_assignment(dump_dir: str) -> dict:
+  """Bytes per memory space of the buffer assignment XLA dumped into ``dump_dir``, and the
+  default space's by kind of allocation.
 
   Compile with ``compiler_options={"xla_dump_to": dump_dir}``; XLA writes a
   memory-usage report per program, whose ``Total bytes`` of a memory space is
-  every allocation there: arguments, the temp heap at its peak, constants.
-  On the TPU, ``default`` is the chip's HBM and ``vmem`` its on-chip memory.
-  ``memory_analysis()`` is not this: on the TPU its temp counted on-chip
-  buffers and missed HBM ones (ZeRO-3 of the quick LM: temp 0 against a
-  1.8 MB HBM heap; BENCHMARKS.md, "Pod plan"). One program in ``dump_dir``.
+  every allocation there. On the TPU, ``default`` is the chip's HBM and
+  ``vmem`` its on-chip memory. ``memory_analysis()`` is not this: on the TPU
+  its temp counted on-chip buffers and missed HBM ones (ZeRO-3 of the quick
+  LM: temp 0 against a 1.8 MB HBM heap; BENCHMARKS.md, "Pod plan"). One
+  program in ``dump_dir``.
+
+  Returns ``{"spaces": {name: bytes}, "default_by_kind": {kind: bytes}}``,
+  kinds ``parameter`` (arguments), ``temp`` (the heap of temporaries at its
+  peak), ``output``, ``thread-local``, ``constant``.
   """
   import glob  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
-  reports = glob.glob(f"{dump_dir}/*after_optimizations-memory-usage-report.txt")
-  if len(reports) != 1:
-    raise ValueError(f"Expected one XLA memory-usage report in {dump_dir}, found {len(reports)}: "
-                     "compile one program with compiler_options={'xla_dump_to': dump_dir}.")
-  with open(reports[0]) as f:
-    text = f.read()
-  return {name: int(total) for name, total in re.findall(
-      r"^Memory Space: (\S+) \(color=\d+\)\nTotal bytes: (\d+)", text, re.M)}
+  found = {}
+  for kind in ("memory-usage-report", "buffer-assignment"):
+    found[kind] = glob.glob(f"{dump_dir}/*after_optimizations-{kind}.txt")
+    if len(found[kind]) != 1:
+      raise ValueError(
+          f"Expected one XLA {kind} in {dump_dir}, found {len(found[kind])}: compile one program "
+          "with compiler_options={'xla_dump_to': dump_dir}.")
+  with open(found["memory-usage-report"][0]) as f:
+    spaces = {name: int(total) for name, total in re.findall(
+        r"^Memory Space: (\S+) \(color=\d+\)\nTotal bytes: (\d+)", f.read(), re.M)}
+  by_kind = {}
+  with open(found["buffer-assignment"][0]) as f:
+    for size, rest in re.findall(r"^allocation \d+: size (\d+), (.*):$", f.read(), re.M):
+      if rest.startswith("color"):
+        continue  # Another memory space.
+      kind = next((k for k, word in (("parameter", "parameter"), ("temp", "preallocated-temp"),
+                                     ("output", "output"), ("output", "maybe-live-out"),
+                                     ("thread-local", "thread-local"), ("constant", "constant"))
+                   if rest.startswith(word)), "other")
+      by_kind[kind] = by_kind.get(kind, 0) + int(size)
+  return {"spaces": spaces, "default_by_kind": by_kind}
 
 
 def memory(compiled) -> dict[str, int]:
