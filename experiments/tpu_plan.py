@@ -262,13 +262,13 @@ def predicted(strategy: str, c, w=None) -> dict:
 def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> dict | None:
   """The compiled report of one point, from the cache when there (else None if ``cached_only``).
 
-  A cached report without the buffer assignment's HBM (``hbm_bytes``, compiled
+  A cached report without the buffer assignment (``hbm_temp_ranges``, compiled
   before cdpjax-compile read it) is compiled again unless ``cached_only``.
   """
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
   path = out_dir / "points" / f"{name}_{strategy}_{topology.replace(':', '_')}.json"
   cached = json.loads(path.read_text()) if path.exists() else None
-  if cached and ("hbm_bytes" in cached["memory_per_chip"] or cached_only):
+  if cached and ("hbm_temp_ranges" in cached["memory_per_chip"] or cached_only):
     return cached
   if cached_only:
     return None

@@ -84,6 +84,10 @@ def test_buffer_assignment_holds_arguments_and_outputs(mesh, x, tmp_path):
   total, by_kind = assignment["spaces"]["default"], assignment["default_by_kind"]
   assert total >= 2 * SHARD_BYTES and by_kind["parameter"] >= SHARD_BYTES, assignment
   assert sum(by_kind.values()) == total  # The allocations add up to the report's total.
+  ranges = assignment["temp_ranges"]  # Disjoint, inside the heap, each a large value's.
+  assert all(a["offset"] + a["bytes"] <= b["offset"] for a, b in zip(ranges, ranges[1:]))
+  assert all(0.02 * by_kind["temp"] <= r["bytes"] and r["offset"] + r["bytes"] <= by_kind["temp"]
+             and r["values"] for r in ranges)
   with pytest.raises(ValueError, match="found 0"):
     compiled.buffer_assignment(str(tmp_path / "empty"))
   del program

@@ -216,7 +216,8 @@ def report(lowered, topology: str) -> dict:
   memory = compiled.memory(program)
   memory.update(hbm_bytes=assignment["spaces"]["default"],
                 vmem_bytes=assignment["spaces"].get("vmem", 0),
-                hbm_by_kind=assignment["default_by_kind"])
+                hbm_by_kind=assignment["default_by_kind"],
+                hbm_temp_ranges=assignment["temp_ranges"])
   chip, num_chips = parse_topology(topology)
   hbm = CHIP_HBM_BYTES[chip]
   return {

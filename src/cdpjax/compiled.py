@@ -55,9 +55,13 @@ def buffer_assignment(dump_dir: str) -> dict:
   LM: temp 0 against a 1.8 MB HBM heap; BENCHMARKS.md, "Pod plan"). One
   program in ``dump_dir``.
 
-  Returns ``{"spaces": {name: bytes}, "default_by_kind": {kind: bytes}}``,
-  kinds ``parameter`` (arguments), ``temp`` (the heap of temporaries at its
-  peak), ``output``, ``thread-local``, ``constant``.
+  Returns ``{"spaces": {name: bytes}, "default_by_kind": {kind: bytes},
+  "temp_ranges": [...]}``: kinds ``parameter`` (arguments), ``temp`` (the heap
+  of temporaries at its peak), ``output``, ``thread-local``, ``constant``;
+  ``temp_ranges``, the disjoint byte ranges of that heap holding values of at
+  least 2% of it (``{"offset", "bytes", "values"}``, a few value names and
+  shapes each): the large temporaries the program needs at some point
+  together, as the compiler placed them.
   """
   import glob  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
@@ -71,17 +75,31 @@ def buffer_assignment(dump_dir: str) -> dict:
   with open(found["memory-usage-report"][0]) as f:
     spaces = {name: int(total) for name, total in re.findall(
         r"^Memory Space: (\S+) \(color=\d+\)\nTotal bytes: (\d+)", f.read(), re.M)}
-  by_kind = {}
+  by_kind, heap = {}, []
   with open(found["buffer-assignment"][0]) as f:
-    for size, rest in re.findall(r"^allocation \d+: size (\d+), (.*):$", f.read(), re.M):
-      if rest.startswith("color"):
-        continue  # Another memory space.
-      kind = next((k for k, word in (("parameter", "parameter"), ("temp", "preallocated-temp"),
-                                     ("output", "output"), ("output", "maybe-live-out"),
-                                     ("thread-local", "thread-local"), ("constant", "constant"))
-                   if rest.startswith(word)), "other")
-      by_kind[kind] = by_kind.get(kind, 0) + int(size)
-  return {"spaces": spaces, "default_by_kind": by_kind}
+    text = f.read()
+  for size, rest, values in re.findall(
+      r"^allocation \d+: size (\d+), (.*):\n((?: value: .*\n)*)", text, re.M):
+    if rest.startswith("color"):
+      continue  # Another memory space.
+    kind = next((k for k, word in (("parameter", "parameter"), ("temp", "preallocated-temp"),
+                                   ("output", "output"), ("output", "maybe-live-out"),
+                                   ("thread-local", "thread-local"), ("constant", "constant"))
+                 if rest.startswith(word)), "other")
+    by_kind[kind] = by_kind.get(kind, 0) + int(size)
+    if kind == "temp":
+      heap += [(int(o), int(n), f"{name} {shape}") for name, n, o, shape in re.findall(
+          r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)", values)]
+  ranges = []
+  for offset, size, value in sorted(v for v in heap if v[1] >= 0.02 * by_kind.get("temp", 0)):
+    if ranges and offset < ranges[-1]["offset"] + ranges[-1]["bytes"]:  # Overlaps: merge.
+      last = ranges[-1]
+      last["bytes"] = max(last["bytes"], offset + size - last["offset"])
+      if value not in last["values"] and len(last["values"]) < 3:
+        last["values"].append(value)
+    else:
+      ranges.append({"offset": offset, "bytes": size, "values": [value]})
+  return {"spaces": spaces, "default_by_kind": by_kind, "temp_ranges": ranges}
 
 
 def memory(compiled) -> dict[str, int]:
