@@ -306,6 +306,8 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
       "peak_ratio": peak / prediction["peak_bytes"],
       "peak_from": "buffer assignment" if "hbm_bytes" in m else "XLA's estimate",
       "estimate_peak_GiB": m["peak_bytes"] / gib, "vmem_GiB": m.get("vmem_bytes", 0) / gib,
+      "hbm_by_kind_MiB": {k: v / mib for k, v in m.get("hbm_by_kind", {}).items()},
+      "hbm_temp_large_MiB": [r["bytes"] / mib for r in m.get("hbm_temp_ranges", [])],
       "argument_GiB": m["argument_bytes"] / gib, "temp_GiB": m["temp_bytes"] / gib,
       "fits": compiled["fits"],
       "model_recompute_GiB": prediction["recompute_bytes"] / gib,
