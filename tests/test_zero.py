@@ -184,6 +184,20 @@ def test_zero3_gathers_at_use_and_reduce_scatters():
   assert summary["all-reduce"]["count"] == summary["collective-permute"]["count"] == 0
 
 
+def test_zero3_reduce_scatters_a_large_stage_in_pieces(monkeypatch):
+  """Pieces of `zero.TPU_SCATTER_ROWS` rows a shard (here 8 of each stage's 16): one
+  reduce-scatter a piece, and the engine's numbers."""
+  monkeypatch.setattr(zero, "TPU_SCATTER_ROWS", 8)
+  executor_of.cache_clear()  # Built afresh with the pieces, and dropped after.
+  try:
+    metrics, variables, _ = zero_run("residual_mlp", "dp", 2)
+    ref.assert_matches_engine(metrics, variables, "residual_mlp", "dp", 2)
+    summary = hlo.collective_summary(hlo_for.__wrapped__(2, "dp", None))  # Not the cached HLO.
+  finally:
+    executor_of.cache_clear()
+  assert summary["reduce-scatter"]["count"] == 2 * 2, summary
+
+
 def test_plan_sends_each_stage_once_per_use_and_lands_gradients_at_owners():
   num_workers = 4
   for rule in ("cdp-v1", "cdp-v2"):

@@ -89,6 +89,11 @@ TPU_SHARD = 16 * TPU_LANES
 multiple of ``TPU_SHARD`` elements: the TPU compiler keeps those as ``all-gather`` and
 ``reduce-scatter``, where it turns a flat buffer's into whole-buffer all-reduces (``tpu_plan``'s
 lowering check: 16 rows a shard stayed a reduce-scatter, 8 did not). `pad_to` gives that size."""
+TPU_SCATTER_ROWS = 4096
+"""ZeRO-3 reduce-scatters a tiled stage in pieces of at most this many rows a shard: on v5p:8x8x4
+the TPU compiler turned one reduce-scatter of a 1B transformer's stage (496,912 rows a shard)
+into a whole-stage all-reduce, and some sizes (8,192 and 16,384 rows a shard) too, where
+pieces of 4,096 rows stay reduce-scatters (tpu_plan's lowering check)."""
 
 
 def pad_to(num_workers: int, timetable: str) -> int:
@@ -496,6 +501,16 @@ def _zero3_step(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_replic
   tile = lambda flat: flat.reshape(-1, TPU_LANES) if tiled else flat
   untile = lambda buffer: buffer.reshape(-1)
 
+  def reduce_scatter(grad):
+    """This worker's shard of the sum over workers of ``grad`` (`TPU_SCATTER_ROWS` pieces)."""
+    if not tiled:
+      return jax.lax.psum_scatter(grad, AXIS, tiled=True)
+    rows = tile(grad).reshape(num_workers, -1, TPU_LANES)  # [N, rows a shard, lanes].
+    cuts = list(range(TPU_SCATTER_ROWS, rows.shape[1], TPU_SCATTER_ROWS))
+    return untile(jnp.concatenate([
+        jax.lax.psum_scatter(piece.reshape(-1, TPU_LANES), AXIS, tiled=True)
+        for piece in jnp.split(rows, cuts, axis=1)]))
+
   def step(state: StagedState, batch):
     me = jax.lax.axis_index(AXIS)
     x, y = batch
@@ -544,7 +559,7 @@ def _zero3_step(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_replic
       grad, cot = staged.vjp(j, view, states[owner(j, num_stages)], stash[j], x, y, cot)
       if rule.dc_lambda:
         grad = compensation.dc_corrected(grad, fresh, view, rule.dc_lambda)
-      grad = untile(jax.lax.psum_scatter(tile(grad), AXIS, tiled=True))
+      grad = reduce_scatter(grad)
       if num_replicas > 1:
         grad = jax.lax.psum(grad, REPLICA)  # One all-reduce per stage and step.
       grads[owner(j, num_stages)] = grad / num_total
