@@ -41,8 +41,10 @@ from the stage input it stashed.
 **zero3.** The baseline with the same state: ZeRO-3 (FSDP) data parallelism in
 lockstep. Each stage's parameter buffers are sharded ``P/N`` per worker; a
 stage is all-gathered at use in the forward and again in the backward, and its
-gradient is reduce-scattered. Model states are replicated and averaged by one
-all-reduce. Rule ``dp`` runs this way (`executor.resolve`).
+gradient is reduce-scattered (as TPU tiles, in pieces the TPU compiler keeps
+as reduce-scatters: `TPU_SHARD`, `TPU_SCATTER_ROWS`). Model states are
+replicated and averaged by one all-reduce. Rule ``dp`` runs this way
+(`executor.resolve`).
 
 **Replicas.** On a mesh ``(replica, data)`` (``jax.make_mesh((R, N),
 ("replica", "data"))``) each replica runs its own ring (or ZeRO-3 group) on its
@@ -93,7 +95,7 @@ TPU_SCATTER_ROWS = 4096
 """ZeRO-3 reduce-scatters a tiled stage in pieces of at most this many rows a shard: on v5p:8x8x4
 the TPU compiler turned one reduce-scatter of a 1B transformer's stage (496,912 rows a shard)
 into a whole-stage all-reduce, and some sizes (8,192 and 16,384 rows a shard) too, where
-pieces of 4,096 rows stay reduce-scatters (tpu_plan's lowering check)."""
+pieces of 4,096 rows stay reduce-scatters (measured with `cdpjax.aot`; BENCHMARKS.md, "Pod plan")."""
 
 
 def pad_to(num_workers: int, timetable: str) -> int:
