@@ -398,6 +398,14 @@ def gradient_kink_rows(data: dict) -> list[Row]:
           for dtype, r in ((k, data[k]) for k in ("float32", "float64"))]
 
 
+def stage_padding_rows(data: dict) -> list[Row]:
+  """Per ResNet: the executed buffers' padding and the stages' compute imbalance, per cut."""
+  return [_info(f"{name}, J = {r['num_stages']}, cut by {by}",
+                f"padding {r[by]['padding']:.2f}, stage FLOPs max / mean "
+                f"{r[by]['flops_max_over_mean']:.2f}")
+          for name, r in data["models"].items() for by in ("flops", "params")]
+
+
 def pod_plan_rows(data: dict) -> list[Row]:
   """What the TPU compiler's figures mean beside the cost model's."""
   cz = data["transformer_cdp_zero"]
@@ -457,6 +465,12 @@ SECTIONS = (
             "ResNet-18 on digits, N = J = 4: the executed timetables (model, zero) against the "
             "engine (data) after 3 steps.",
             "python experiments/executed_equivalence.py", executed_equivalence_rows),
+    Section("stage_padding", "Executed stage buffers: cut by FLOPs or by parameters",
+            "The executed modes keep every stage as a buffer of the largest stage's size, so a "
+            "ResNet cut by FLOPs pads its light early stages (J x largest / sum); cut by "
+            "parameters (--config.stages_by=params) the buffers nearly match and the compute "
+            "does not, and a cyclic slot lasts as long as its heaviest stage.",
+            "python experiments/stage_padding.py", stage_padding_rows),
     Section("gradient_kink", "Why dp stops short of 1e-5 there: a kink at theta_1",
             "The dp step-2 gradient of the same run jumps by 2e-4 under noise of float32 "
             "rounding size, in float64 too: the loss is not smooth there, so two correct programs "

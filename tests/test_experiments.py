@@ -166,6 +166,18 @@ def test_report_render_reads_only_results_and_matches_benchmarks_md(tmp_path):
   assert "compiled peak / cost model, 7 strategies | within 10% |" in tpu
 
 
+def test_stage_padding_quick(tmp_path):
+  result = _script("stage_padding").main(["--quick", "--results_dir", str(tmp_path)])
+  r = result["models"]["resnet18"]
+  for by in ("flops", "params"):
+    sizes = r[by]["stage_params"]
+    assert len(sizes) == r["num_stages"] == 4
+    assert r[by]["padding"] == pytest.approx(4 * max(sizes) / sum(sizes))
+  # Each cut is the better one on its own measure.
+  assert r["params"]["padding"] < r["flops"]["padding"]
+  assert r["flops"]["flops_max_over_mean"] < r["params"]["flops_max_over_mean"]
+
+
 def test_bench_engine_quick(tmp_path):
   result = _script("bench_engine").main(["--quick", "--results_dir", str(tmp_path),
                                          "--workloads", "mlp"])
