@@ -272,6 +272,9 @@ def summary(result: dict) -> str:
       f"  HBM used        {_gib(m['hbm_bytes'])} of {_gib(result['hbm_per_chip_bytes'])}: "
       + ("fits" if result["fits"] else "DOES NOT FIT"),
       "  of it: " + ", ".join(f"{kind} {_gib(n)}" for kind, n in m["hbm_by_kind"].items()),
+      "  the temp heap's large ranges: " + (", ".join(
+          f"{_gib(r['bytes'])} ({r['values'][0].split()[0]})" for r in m["hbm_temp_ranges"])
+          or "none"),
       f"  on-chip (VMEM)  {_gib(m['vmem_bytes'])}",
       "XLA's memory analysis (its temp is not the HBM heap: docs/multihost.md):",
       *[f"  {key:<15} {_gib(m[key + '_bytes'])}" for key in
