@@ -26,7 +26,9 @@ same per-worker Hessians: the companion matrix for fixed delays (``dp``,
 
 ``--compensated`` measures only cdp-v1's and cdp-v2's thresholds with each
 delay compensation of ``COMPENSATIONS`` (weight prediction; a delay-scaled
-learning rate) against ``cdpjax.stability``'s prediction with the same option.
+learning rate; DC-ASGD, linearized at the optimum, where each worker's gradient
+``g_i*`` is not 0: its ``dc_lambda g_i*^2`` moves the limit) against
+``cdpjax.stability``'s prediction with the same option.
 """
 from __future__ import annotations
 
@@ -206,7 +208,8 @@ def async_runs(x, y, f_star, lipschitz, args) -> dict:
               *np.unique(profile.cdp_staleness[1:], return_counts=True))}}
 
 
-COMPENSATIONS = {"prediction": {"predict": True}, "delay-scaled lr 1": {"lr_delay_scale": 1.0}}
+COMPENSATIONS = {"prediction": {"predict": True}, "delay-scaled lr 1": {"lr_delay_scale": 1.0},
+                 "DC-ASGD 1": {"dc_lambda": 1.0}}
 
 
 def threshold_rules(n: int, j: int, quick: bool, compensated: bool = False) -> dict:
@@ -246,6 +249,10 @@ def thresholds(x, y, rows, names, mesh, args) -> list:
   n, j = args.num_workers, args.num_stages
   x64 = x.astype(np.float64)
   hessians = np.stack([xi.T @ xi / len(xi) for xi in np.split(x64, n)])
+  # DC-ASGD's g_i*^2: each worker's gradient at the optimum, per coordinate and output column.
+  optimum = np.linalg.lstsq(x64, y, rcond=None)[0]
+  squares = np.stack([xi.T @ (xi @ optimum - yi) / len(xi) for xi, yi in
+                      zip(np.split(x64, n), np.split(y.astype(np.float64), n))]) ** 2
   stage_of_coord = np.concatenate([[s] * (r.stop - r.start) for s, r in enumerate(rows)])
   big_l = stability.lipschitz(hessians)
   chunk = min(25, args.num_steps)
@@ -263,6 +270,13 @@ def thresholds(x, y, rows, names, mesh, args) -> list:
     if isinstance(rule, schedule.DelayRule) and label.startswith("random"):
       predicted = stability.random_rule_limit(hessians, stage_of_coord, rule, num_steps=num_steps)
       how = "simulated recursion, same draws"
+    elif "dc_lambda" in comp:  # Linearized at the optimum, one output column at a time.
+      matrix = schedule.delay_matrix(rule, n, j)
+      others = {k: v for k, v in comp.items() if k != "dc_lambda"}
+      predicted = min(stability.stability_limit(
+          hessians, stage_of_coord, matrix, dc=comp["dc_lambda"] * squares[:, :, c], **others)
+          for c in range(squares.shape[2]))
+      how = "companion matrix, linearized at the optimum"
     else:
       matrix = rule(0) if isinstance(rule, schedule.DelayRule) else schedule.delay_matrix(rule, n, j)
       predicted = stability.stability_limit(hessians, stage_of_coord, matrix, **comp)

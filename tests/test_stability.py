@@ -60,6 +60,28 @@ def test_weight_prediction_limit_is_that_of_its_characteristic_polynomial(tau):
   assert limit < stability.fixed_delay_limit(tau)  # Extrapolation costs stability on a quadratic.
 
 
+@pytest.mark.parametrize("predict", [False, True])
+def test_dc_asgd_limit_is_that_of_its_characteristic_polynomial(predict):
+  """One coordinate, h = 1, read one step late, DC-ASGD linearized with dc = 0.3:
+  x_{t+1} = x_t - lr (h x_read + dc (x_t - x_read)), x_read = x_{t-1} or, predicted,
+  2 x_{t-1} - x_{t-2}."""
+  h, dc = 1.0, 0.3
+
+  def radius(a):  # lr = a / h.
+    read = np.array([1.0, 0.0]) if not predict else np.array([2.0, -1.0])  # x_{t-1}, x_{t-2}.
+    coeffs = np.array([1.0, -(1 - a * dc), *(a * (h - dc) * read)])
+    return np.abs(np.roots(coeffs)).max()
+  lo, hi = 0.0, 4.0
+  while hi - lo > 1e-6:
+    lo, hi = (lo, 0.5 * (lo + hi)) if radius(0.5 * (lo + hi)) >= 1 else (0.5 * (lo + hi), hi)
+  limit = stability.stability_limit(np.array([[[h]]]), np.array([0]), np.array([[1]]), tol=1e-6,
+                                    predict=predict, dc=np.array([[dc]]))
+  assert limit == pytest.approx(lo, abs=1e-4)
+  plain = stability.stability_limit(np.array([[[h]]]), np.array([0]), np.array([[1]]),
+                                    tol=1e-6, predict=predict)
+  assert abs(limit - plain) > 1e-2  # The correction moves the limit.
+
+
 def test_delay_scaled_lr_moves_the_limit_by_its_factor():
   _, _, hessians, stage_of_coord = problem()
   for c in (0.5, 2.0):

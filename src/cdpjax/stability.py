@@ -36,7 +36,7 @@ def fixed_delay_limit(tau: int) -> float:
 
 
 def delay_operators(hessians, stage_of_coord, delays, *, predict: bool = False,
-                    lr_delay_scale: float = 0.0) -> np.ndarray:
+                    lr_delay_scale: float = 0.0, dc=None) -> np.ndarray:
   """``A_k = 1/N sum_i H_i P_{i,k}`` for ``k = 0..D``, shape ``(D + 1, p, p)``.
 
   Args:
@@ -48,6 +48,12 @@ def delay_operators(hessians, stage_of_coord, delays, *, predict: bool = False,
       moves to ``A_k`` and ``A_{k+1}`` (shape ``(D + 2, p, p)``).
     lr_delay_scale: ``c``: the update of stage ``j``'s coordinates is scaled by
       ``1 / (1 + c mean_i d[i, j])`` (rows of every ``A_k``).
+    dc: DC-ASGD linearized at the optimum: ``(N, p)``, ``dc_lambda * g_i*^2``
+      with ``g_i*`` worker ``i``'s gradient at the optimum (the workers' gradients
+      there sum to 0, not each). Worker ``i``'s corrected gradient
+      ``g + dc_lambda g^2 (theta_t - theta_read)`` is then, to first order,
+      ``H_i x_read + diag(dc_i) (x_t - x_read)``: ``diag(dc_i)`` joins ``A_0`` and
+      leaves the operators of the (predicted) read.
   """
   hessians = np.asarray(hessians, np.float64)
   stage_of_coord = np.asarray(stage_of_coord)
@@ -59,10 +65,15 @@ def delay_operators(hessians, stage_of_coord, delays, *, predict: bool = False,
         f"{delays.shape} disagree: need (N, p, p), (p,) and (N, J).")
   depth = int(delays.max(initial=0))
   ops = np.zeros((depth + 1 + (bool(predict) and depth > 0), p, p))
+  dc = None if dc is None else np.asarray(dc, np.float64)
   for i in range(num_workers):
     delay_of_coord = delays[i][stage_of_coord]
     for k in range(depth + 1):
       share = hessians[i] * (delay_of_coord == k)[None, :] / num_workers
+      if dc is not None and k > 0:  # + diag(dc_i) (x_t - x_read) on the stale coordinates.
+        correction = np.diag(dc[i] * (delay_of_coord == k)) / num_workers
+        ops[0] += correction
+        share = share - correction
       if predict and k > 0:
         ops[k] += (1 + k) * share
         ops[k + 1] -= k * share
@@ -109,8 +120,8 @@ def stability_limit(hessians, stage_of_coord, delays, *, tol: float = 1e-4,
   """The largest stable ``lr * L`` for a fixed delay matrix (companion-matrix spectral radius).
 
   The stable set of ``lr`` is taken to be an interval ``(0, limit)``, as it is
-  for one delay; the bisection finds its end. ``compensation``: ``predict``
-  and ``lr_delay_scale`` of `delay_operators`.
+  for one delay; the bisection finds its end. ``compensation``: ``predict``,
+  ``lr_delay_scale`` and ``dc`` of `delay_operators`.
   """
   ops = delay_operators(hessians, stage_of_coord, delays, **compensation)
   big_l = lipschitz(hessians)
