@@ -50,6 +50,7 @@ def test_launcher_writes_the_report_quietly(engine_run):
   proc, result = engine_run
   assert tuple(result) == aot.REPORT_KEYS
   assert "runs as the update-rule engine" in proc.stdout and "fits" in proc.stdout
+  assert "HBM used" in proc.stdout and "the temp heap's large ranges:" in proc.stdout
   # The TPU VM look-ups libtpu would complain about are switched off for this process.
   assert "TPU_WORKER_HOSTNAMES" not in proc.stderr and "InitGoogle" not in proc.stderr
   assert result["chips"] == 8 and result["devices_used"] == 2 and result["mesh"] == {"data": 2}
