@@ -384,7 +384,7 @@ def _make_body(staged: StagedModel, tx, plan: executor_lib.RulePlan, tt: _Timeta
     if stateful and tt.name != "cyclic":
       model_state, new_state = average_state((model_state, new_state))
     return carry._replace(
-        versions_VP=staged_set_block(carry.versions_VP, head, staged.param_size, params),
+        versions_VP=params,  # Written into the ring by the caller, outside the conditional.
         head=head, opt_state=opt_state,
         model_state_M=model_state, new_state_M=_vary(new_state, tt.axes),
         grad_sq_K=carry.grad_sq_K.at[step].set(_vary(jnp.sum(jnp.square(grads)), tt.axes)),
@@ -414,10 +414,16 @@ def _make_body(staged: StagedModel, tx, plan: executor_lib.RulePlan, tt: _Timeta
           (carry.model_state_M, carry.new_state_M))
       carry = carry._replace(model_state_M=model_state, new_state_M=new_state)
     # The accumulator is an operand, not a result: a result passed through is copied.
+    # The ring is read inside and written outside: a write under the conditional made the TPU
+    # compiler keep a copy of the whole ring in the loop (tpu_plan: CDP+MP's HBM heap).
     rest = carry._replace(acc_P=None)
-    rest = jax.lax.cond(event.then_update, lambda acc, c: update(acc, c, event.step, first_step),
-                        lambda acc, c: c, carry.acc_P, rest)
-    carry = rest._replace(acc_P=carry.acc_P)
+    rest = jax.lax.cond(
+        event.then_update, lambda acc, c: update(acc, c, event.step, first_step),
+        lambda acc, c: c._replace(versions_VP=staged_block(c.versions_VP, c.head,
+                                                           staged.param_size)),
+        carry.acc_P, rest)
+    carry = rest._replace(acc_P=carry.acc_P, versions_VP=staged_set_block(
+        carry.versions_VP, rest.head, staged.param_size, rest.versions_VP))
     if tt.replica_axis:  # The update's all-reduce goes before the permute on every device.
       send = staged_after(send, rest.param_sq_K)
     # The permute of this slot's kind; a cond keeps one copy of the slot's compute.
