@@ -85,13 +85,24 @@ def test_trees_convert_the_engines_state_to_stage_rows_and_back_exactly(name, op
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
 
 
+def move(workdir, **overrides):
+  """Trains the run in ``workdir`` along ``LEGS``, one step each."""
+  for step, parallelism in enumerate(LEGS, 1):
+    train.train_and_evaluate(config(parallelism, step, **overrides), workdir)
+  return workdir
+
+
+def assert_same_losses(got_dir, want_dir):
+  want, got = losses(want_dir), losses(got_dir)
+  assert sorted(got) == sorted(want) == list(range(1, len(LEGS) + 1))
+  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
+                             rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory):
   """The workdir of the run moved along ``LEGS``, one step each."""
-  workdir = str(tmp_path_factory.mktemp("moved"))
-  for step, parallelism in enumerate(LEGS, 1):
-    train.train_and_evaluate(config(parallelism, step), workdir)
-  return workdir
+  return move(str(tmp_path_factory.mktemp("moved")))
 
 
 @slow
@@ -113,10 +124,7 @@ def test_a_checkpoint_converts_back_to_itself_bit_for_bit(moved, parallelism):
 def test_a_run_moved_through_every_parallelism_logs_the_straight_runs_losses(moved, tmp_path):
   straight = str(tmp_path / "straight")
   train.train_and_evaluate(config("data", len(LEGS)), straight)
-  want, got = losses(straight), losses(moved)
-  assert sorted(got) == sorted(want) == list(range(1, len(LEGS) + 1))
-  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
-                             rtol=1e-5)
+  assert_same_losses(moved, straight)
 
 
 @slow
@@ -127,14 +135,10 @@ def test_a_compensated_run_moves_through_every_parallelism(tmp_path):
   at step 4 after data -> model -> zero (measured; data -> data -> zero and each leg alone
   agree to 1e-7); at 0.5 the moved run agrees to 1e-7."""
   keys = {"weight_prediction": True, "dc_lambda": 0.5, "lr_delay_scale": 1.0}
-  moved_dir, straight = str(tmp_path / "moved"), str(tmp_path / "straight")
-  for step, parallelism in enumerate(LEGS, 1):
-    train.train_and_evaluate(config(parallelism, step, **keys), moved_dir)
+  moved_dir = move(str(tmp_path / "moved"), **keys)
+  straight, plain = str(tmp_path / "straight"), str(tmp_path / "plain")
   train.train_and_evaluate(config("data", len(LEGS), **keys), straight)
-  plain = str(tmp_path / "plain")
   train.train_and_evaluate(config("data", len(LEGS)), plain)
-  want, got = losses(straight), losses(moved_dir)
-  assert sorted(got) == sorted(want) == list(range(1, len(LEGS) + 1))
-  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
-                             rtol=1e-5)
-  assert abs(want[len(LEGS)] / losses(plain)[len(LEGS)] - 1) > 1e-5  # The keys change the run.
+  assert_same_losses(moved_dir, straight)
+  last = len(LEGS)
+  assert abs(losses(straight)[last] / losses(plain)[last] - 1) > 1e-5  # The keys change the run.
