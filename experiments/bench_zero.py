@@ -8,7 +8,7 @@ For N = J in {2, 4, 8} workers on emulated CPU devices, the digits ResidualMLP
 - ``engine``: the replicated engine (``executors.build("data", ...)``), rule cdp-v2.
 
 ``cyclic`` and ``zero3`` run ``--scan_steps`` K steps per compiled call (the
-ring fills and drains once per call), the engine one. Memory and collectives
+timetable fills and drains once per call), the engine one. Memory and collectives
 are read from the compiled programs (per device); the cyclic step's bytes come
 from its slot plan (`plan.zero_plan`), since its messages sit in a loop body.
 Speed is a ratio measured in this run, calls interleaved, warm-up excluded,
@@ -190,21 +190,23 @@ def messages_replaced(floor: str):
   slot waits for: the least that exchanging data every slot costs these
   slots. ``no_collectives`` leaves each worker running free.
   """
-  send, permute = zero.Ring.send, zero.Ring.permute
+  route, permute = zero.Ring.route, zero.Ring.permute
 
-  def one_rendezvous(ring, *args):
-    out = send(ring, *args)
+  def one_rendezvous(ring, name, *args):
+    out = route(ring, name, *args)
+    if name != ("param", "owner"):  # The stage messages: one route a slot.
+      return out
     pairs = [(i, (i + 1) % ring.num_workers) for i in range(ring.num_workers)]
-    token = permute(ring, out[0][:16], pairs)
-    return [out[0].at[0].add(0 * jnp.sum(token))] + out[1:]  # In place.
+    token = permute(ring, out[:16], pairs)
+    return out.at[0].add(0 * jnp.sum(token))  # In place.
 
   zero.Ring.permute = lambda ring, buffer, pairs: buffer
   if floor == "slot_rendezvous":
-    zero.Ring.send = one_rendezvous
+    zero.Ring.route = one_rendezvous
   try:
     yield
   finally:
-    zero.Ring.send, zero.Ring.permute = send, permute
+    zero.Ring.route, zero.Ring.permute = route, permute
 
 
 def _collectives_run(text, scan_steps):
@@ -271,8 +273,8 @@ def program_figures(executable, state, staged, delays, num_steps, name) -> dict:
   stage_bytes = 4 * staged.param_size
   if name == "cyclic":
     sent = plan_bytes_sent_per_step(delays, num_steps, stage_bytes)
-    # Collectives run per step: the ring's ppermute rounds (the MLP has no model state).
-    runs = (plan.message_rounds(plan.zero_plan(delays, num_steps)).index > 0).sum() / num_steps
+    # Collectives run per step: a ppermute per slot and route (the MLP has no model state).
+    runs = plan.zero_plan(delays, num_steps).num_permutes(model_states=False) / num_steps
   else:  # One step in the program (zero3's scan body, or the engine's step).
     sent = bytes_sent_per_device(text, num_workers)
     runs = sum(v["count"] for v in row["collectives"].values())
@@ -419,7 +421,7 @@ def _print_tables(rows, sweep, goals) -> None:
           f"{r['max_slot_bytes']:>9} "
           f"{1e3 * r['step_time_s']:>8.2f} {r['step_time_ratio']:>5.2f}")
   print("ratio: per-step time over the engine's; K: steps per compiled call; runs: collectives "
-        "run per step (cyclic: its ppermute rounds, from the plan).")
+        "run per step (cyclic: a ppermute per slot and route, from the plan).")
   print(f"{'J':>2} {'schedule':>8} {'lower s':>8} {'compile s':>9} {'StableHLO MB':>12} "
         f"{'HLO MB':>7}")
   for r in sweep:

@@ -169,10 +169,9 @@ def executed_permutes(strategy: str, c) -> int:
   pair list is not empty at a slot executes on every chip, idle ones included,
   whether or not the chip is among its targets. Which list a slot uses is
   static (`cdpjax.executed.plan`): GPipe shifts every slot (``2(N+J-1)``),
-  the cyclic pipeline swaps neighbours on even and odd slots, the CDP-ZeRO
-  ring sends a slot's stage and gradient messages in as few rounds as its
-  busiest worker allows (`cdpjax.executed.plan.message_rounds`; model-state
-  messages left out).
+  the cyclic pipeline swaps neighbours on even and odd slots, CDP-ZeRO sends
+  a slot's stage messages in one permute and its gradient messages in another
+  (`cdpjax.executed.plan.ZeroPlan.num_permutes`; model-state messages left out).
   """
   from cdpjax import schedule  # pylint: disable=g-import-not-at-top
   from cdpjax.executed import plan as plan_lib  # pylint: disable=g-import-not-at-top
@@ -183,8 +182,8 @@ def executed_permutes(strategy: str, c) -> int:
     slots = plan_lib.cyclic_slots(J, 1)
     return sum(bool(plan_lib.swap_pairs(J, slot % 2)) for slot in range(slots))
   if strategy == "cdp+zero":
-    ring = plan_lib.zero_plan(schedule.resolve(STRATEGIES[strategy][0], N, J))
-    return int((plan_lib.message_rounds(ring).index != 0).sum())  # Pair list 0 is empty.
+    zero_plan = plan_lib.zero_plan(schedule.resolve(STRATEGIES[strategy][0], N, J))
+    return zero_plan.num_permutes(model_states=False)
   raise ValueError(f"{strategy} is not an executed timetable with permutes.")
 
 

@@ -134,34 +134,40 @@ def test_replicated_ring_adds_one_all_reduce_over_replicas():
   assert {c.kind for c in found} == {"all-reduce", "collective-permute"}
 
 
-def test_messages_share_rounds_one_collective_permute_per_round_and_pair_list():
-  """Stage and gradient messages share ppermute rounds: the loop body holds one
-  collective-permute per round and pair list (the replicated ring's fixture)."""
-  rounds = plan.message_rounds(plan.zero_plan(schedule.delay_matrix("cdp-v2", 4, 4), 2))
+def test_one_collective_permute_per_route_and_pair_list():
+  """A slot's stage messages are one ppermute, its gradient messages another: the loop body
+  holds one collective-permute per route and pair list (the replicated fixture)."""
+  zero_plan = plan.zero_plan(schedule.delay_matrix("cdp-v2", 4, 4), 2)
   text = hlo_for(4, "cdp-v2", 2, replicas=2)
   found = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
-  assert len(found) == sum(len(lists) - 1 for lists in rounds.pair_lists) == 20
-  assert "is-finite(" in text  # Round 1 waits for round 0 (devices must not order them apart).
+  lists = [zero_plan.routes(*route)[1] for route in plan.ROUTES[:2]]  # No model state.
+  assert len(found) == sum(len(pair_lists) - 1 for pair_lists in lists)
 
 
 @pytest.mark.parametrize("num_workers", [3, 4, 8])
-def test_rounds_deliver_every_message_in_the_fewest_collectives(num_workers):
-  """Per slot, as many rounds as the busiest worker's messages (Koenig's bound), each message
-  in the round its receiver reads; fewer collective-permutes than one per route."""
-  zero_plan = plan.zero_plan(schedule.delay_matrix("cdp-v2", num_workers, num_workers), 3)
-  rounds = plan.message_rounds(zero_plan)
-  per_route = 0
-  for slot in range(zero_plan.num_slots):
-    sent = [t for t in zero_plan.transfers if t.slot == slot and t.kind != "state"]
-    degree = max([*Counter(t.src for t in sent).values(),
-                  *Counter(t.dst for t in sent).values()], default=0)
-    assert (rounds.index[:, slot] > 0).sum() == degree
-    per_route += len({(t.kind, t.route) for t in sent})
-    for t in sent:
-      r = rounds.received[t.kind][slot, t.dst]
-      assert (t.src, t.dst) in rounds.pair_lists[r][rounds.index[r, slot]]
-      assert plan.MESSAGES[rounds.sent[r, slot, t.src] - 1] == (t.kind, t.route)
-  assert (rounds.index > 0).sum() < 0.8 * per_route
+@pytest.mark.parametrize("rule", ["cdp-v1", "cdp-v2"])
+def test_each_use_gets_its_version_from_the_owner_and_each_gradient_goes_to_it(rule,
+                                                                              num_workers):
+  """Per slot: a stage has one user at most; its owner sends it the version it reads, and
+  its backward's gradient goes back to the owner; the owner's own uses send nothing."""
+  delays = schedule.delay_matrix(rule, num_workers, num_workers)
+  zero_plan = plan.zero_plan(delays, 3)
+  expected = Counter()
+  for s, i in zip(*np.nonzero(zero_plan.kind != plan.IDLE)):
+    j = zero_plan.stage[s, i]
+    o = zero.owner(j, num_workers)
+    assert (zero_plan.serve_version[s, o], zero_plan.serve_delay[s, o]) == (
+        zero_plan.version[s, i], delays[i, j])
+    if i != o:
+      expected[s, "param", o, i, j, zero_plan.version[s, i]] += 1
+      if zero_plan.kind[s, i] == plan.BWD:
+        expected[s, "grad", i, o, j, 0] += 1
+  sent = Counter((t.slot, t.kind, t.src, t.dst, t.stage, t.delay)
+                 for t in zero_plan.transfers if t.kind != "state")
+  assert sent == expected
+  for route in plan.ROUTES:  # One permutation a slot and route (`routes` asserts it).
+    index, pair_lists = zero_plan.routes(*route)
+    assert len(pair_lists) > 1 and (index > 0).any()
 
 
 @pytest.mark.parametrize("num_workers", [1, 2, 3, 4, 8])
@@ -207,17 +213,12 @@ def test_plan_sends_each_stage_once_per_use_and_lands_gradients_at_owners():
     assert Counter((t.dst, t.stage) for t in params) == Counter(
         {(i, j): 2 for i in range(num_workers) for j in range(num_workers)
          if i != num_workers - 1 - j})
-    assert all(t.src == t.dst - 1 for t in params if t.route == "ring")
-    assert {t.dst for t in params if t.route == "owner"} == {0}
+    assert all(t.src == zero.owner(t.stage, num_workers) for t in params)
     grads = [t for t in transfers if t.kind == "grad"]
-    # Each non-owner sends one gradient buffer per stage; chains end at the owner.
-    assert Counter((t.src, t.stage) for t in grads) == Counter(
-        {(i, j): 1 for i in range(num_workers) for j in range(num_workers)
+    # Each non-owner sends one gradient buffer per stage, to the owner.
+    assert Counter((t.src, t.dst, t.stage) for t in grads) == Counter(
+        {(i, num_workers - 1 - j, j): 1 for i in range(num_workers) for j in range(num_workers)
          if i != num_workers - 1 - j})
-    for j in range(num_workers):
-      senders = {t.src for t in grads if t.stage == j}
-      targets = {t.dst for t in grads if t.stage == j}
-      assert targets - senders == {num_workers - 1 - j}
 
 
 def test_model_states_are_one_nth_of_the_replicated_engine():
@@ -310,7 +311,7 @@ def test_benchmark_quick_writes_json(tmp_path):
   # Differences of the timed programs: each timetable's parts add up to its step time.
   assert sum(split["zero3"].values()) == pytest.approx(1.0)
   assert sum(split["cyclic"].values()) == pytest.approx(goals["step_time_vs_zero3"])
-  assert (zero.Ring.send.__qualname__, zero.Ring.permute.__qualname__) == (
-      "Ring.send", "Ring.permute")
+  assert (zero.Ring.route.__qualname__, zero.Ring.permute.__qualname__) == (
+      "Ring.route", "Ring.permute")
   assert (staged_lib.StagedModel.apply.__qualname__, staged_lib.StagedModel.vjp.__qualname__) == (
       "StagedModel.apply", "StagedModel.vjp")

@@ -538,12 +538,14 @@ def cdp_mp(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
 
 def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
              replicas: int = 1) -> Cost:
-  """CDP + ZeRO: worker ``r`` owns stage ``J-1-r``; stages and gradients travel a ring.
+  """CDP + ZeRO: worker ``r`` owns stage ``J-1-r``, sends it to each use and sums its gradients.
 
   The messages are the executor's (`plan.cyclic_transfers`): per step and
-  stage, each of the ``N-1`` non-owners receives the stage once for its forward
-  and once for its backward, and the gradient reaches the owner in ``N-1``
-  hops, ``3(N-1)`` point-to-point messages of ``P_j`` bytes. Its
+  stage, each of the ``N-1`` non-owners receives the stage from the owner once
+  for its forward and once for its backward, and sends the owner its
+  gradient, ``3(N-1)`` point-to-point messages of ``P_j`` bytes. The owner
+  keeps the gradients' sum (``grads``); a device holds the stage it uses and
+  the gradient it sends (``buffers``). Its
   ``Communication`` is the average device's. With ``replicas`` rings, each
   owner all-reduces its stage's gradient over them once per step (the average
   device: ``Psi_P / N``).

@@ -57,7 +57,8 @@ DESCRIPTIONS = {
     ("model", "cyclic"): "executed CDP + model parallelism (cyclic pipeline, no flush)",
     ("model", "dp+mp"): "executed DP + MP (N replicas of the J-stage pipeline, all-reduce)",
     ("zero", "zero3"): "executed ZeRO-3 (all-gather at use, reduce-scatter)",
-    ("zero", "cyclic"): "executed CDP + ZeRO (stages travel a ring of collective-permutes)",
+    ("zero", "cyclic"): "executed CDP + ZeRO (stages and gradients to and from their owners "
+                        "by collective-permutes)",
 }
 
 

@@ -10,8 +10,7 @@ and the tests read one plan.
   counts a call's idle device-slots.
 - ZeRO (mesh axis ``data``): ``zero_plan`` gives each worker's event, the
   source of its stage buffer and every point-to-point message of a ``K``-step
-  cyclic call; ``message_rounds`` groups the messages of each slot into as few
-  ``ppermute`` rounds as its busiest worker allows; ``slot_traffic`` counts their bytes.
+  cyclic call; ``slot_traffic`` counts their bytes.
 """
 from __future__ import annotations
 
@@ -170,24 +169,26 @@ def swap_pairs(num_stages: int, parity: int) -> list[tuple[int, int]]:
   return pairs
 
 
-LOCAL, RING, OWNER = 0, 1, 2  # Where a ZeRO worker's stage buffer comes from.
+LOCAL, OWNER = 0, 1  # Where a ZeRO worker's stage buffer comes from.
 
 
 class Transfer(NamedTuple):
   """One point-to-point message of the cyclic ZeRO call.
 
   Attributes:
-    slot: the message is delivered before this slot's compute.
-    kind: ``"param"`` (a stage buffer), ``"grad"`` (a gradient partial sum) or
-      ``"state"`` (a stage's model state and the running sum of its new ones).
+    slot: a ``"param"`` or ``"state"`` message is delivered before this slot's
+      compute; a ``"grad"`` message leaves right after it.
+    kind: ``"param"`` (a stage version and its model state, from the owner to
+      the worker that uses it), ``"grad"`` (a backward's gradient, to the
+      stage's owner) or ``"state"`` (a stage's model state and the running sum
+      of its new ones, from the previous forward of the stage).
     src: sending worker.
     dst: receiving worker.
     stage: ``j``.
-    route: ``"ring"`` (from ``dst - 1``, which used or summed the buffer 2
-      slots earlier; for ``state`` also ``N-1 -> 0`` into the next step),
-      ``"owner"`` (a parameter version from the owner) or ``"final"`` (worker
-      ``N-1`` hands the tail chain's sum to the owner, 1 slot after its backward).
-    delay: for ``"owner"`` messages, which version row (0 = newest) is sent.
+    route: ``"owner"`` (to or from the stage's owner) or ``"ring"`` (from
+      ``dst - 1``, which ran the stage's forward 2 slots earlier; ``N-1 -> 0``
+      into the next step).
+    delay: for ``"param"`` messages, which version row (0 = newest) is sent.
   """
   slot: int
   kind: str
@@ -198,8 +199,7 @@ class Transfer(NamedTuple):
   delay: int
 
 
-ROUTES = (("param", "ring"), ("param", "owner"), ("grad", "ring"), ("grad", "final"),
-          ("state", "ring"))
+ROUTES = (("param", "owner"), ("grad", "owner"), ("state", "ring"))
 
 
 class ZeroPlan(NamedTuple):
@@ -207,19 +207,24 @@ class ZeroPlan(NamedTuple):
 
   Tables are int ``[S, N]`` (slot, worker). A worker runs its micro-batch of
   step ``t`` from slot ``2Jt + 2i``: the forward of stage ``j`` at phase ``j``,
-  its backward at ``2J-1-j``; no flush between steps. Worker ``J-1-j`` owns
-  stage ``j`` and updates it at the start of the slot after worker ``N-1``'s
-  backward of it (``2Jt + 4J-2-j``), which is its own next forward of it.
+  its backward at ``2J-1-j``; no flush between steps. At any slot a stage is
+  used by at most one worker, so each slot's stage messages (owner to user)
+  and gradient messages (user to owner) are each one permutation. Worker
+  ``J-1-j`` owns stage ``j`` and updates it at the start of the slot after
+  worker ``N-1``'s backward of it (``2Jt + 4J-2-j``), which is its own next
+  forward of it.
 
   Attributes:
     kind, stage, step: the event (``IDLE``, ``FWD``, ``BWD``) of each worker.
-    version: the owner's version row the event reads (0 = newest), for a
-      ``LOCAL`` read and for the owner's send.
-    source: ``LOCAL`` (the owner), ``RING`` or ``OWNER``: where the buffer comes from.
+    version: the owner's version row the event reads (0 = newest, after the
+      slot's update).
+    delay: ``d[i, j]`` of the event: how stale the read is, for weight
+      prediction and DC-ASGD.
+    source: ``LOCAL`` (the owner's own use) or ``OWNER`` (a message).
+    serve_version, serve_delay: per owner, the ``version`` and ``delay`` of
+      the event that uses its stage at the slot (0 where none does).
     update: 1 where an owner applies its stage's update before the slot.
     update_step: the step that update ends.
-    grad_chain: 1 where a backward adds the partial sum received on the ring.
-    grad_end: 1 where a backward ends its chain at the owner (into its sum).
     state_ring: 1 where a forward reads the model state from the state ring,
       0 where it reads the one that came with the parameters (first step, worker 0).
     transfers: every message, by slot.
@@ -228,25 +233,18 @@ class ZeroPlan(NamedTuple):
   stage: np.ndarray
   step: np.ndarray
   version: np.ndarray
+  delay: np.ndarray
   source: np.ndarray
+  serve_version: np.ndarray
+  serve_delay: np.ndarray
   update: np.ndarray
   update_step: np.ndarray
-  grad_chain: np.ndarray
-  grad_end: np.ndarray
   state_ring: np.ndarray
   transfers: list
 
   @property
   def num_slots(self) -> int:
     return self.kind.shape[0]
-
-  def send_version(self) -> np.ndarray:
-    """``[S, N]``: the version row each owner sends (0 where it sends none)."""
-    out = np.zeros_like(self.version)
-    for t in self.transfers:
-      if t.route == "owner":
-        out[t.slot, t.src] = t.delay
-    return out
 
   def events(self) -> list[schedule_lib.Event]:
     """The call's events as ``schedule.Event``s, versions as global step indices (``>= 0``)."""
@@ -280,6 +278,12 @@ class ZeroPlan(NamedTuple):
       index[slot] = lists.index(pairs)
     return index, [list(p) for p in lists]
 
+  def num_permutes(self, model_states: bool = True) -> int:
+    """Collective-permutes a call runs: one per slot and route with messages (the model-state
+    ring's only for a model with ``model_states``)."""
+    routes = ROUTES if model_states else ROUTES[:2]
+    return sum(int((self.routes(*route)[0] != 0).sum()) for route in routes)
+
 
 def zero_slots(num_stages: int, num_steps: int) -> int:
   """Slots of a ``K``-step cyclic ZeRO call: the pipeline's, plus the slot of stage 0's update."""
@@ -295,7 +299,7 @@ def zero_plan(delays, num_steps: int = 1) -> ZeroPlan:
   tab = {k: np.zeros(shape, np.int32) for k in ZeroPlan._fields[:-1]}
   owner = lambda j: num_stages - 1 - j
   update_slot = lambda j, t: period * t + 2 * last + period - j  # After N-1's backward.
-  transfers = []
+  transfers, served = [], set()
   for t in range(num_steps):
     for i in range(num_workers):
       for phase in range(period):
@@ -305,121 +309,25 @@ def zero_plan(delays, num_steps: int = 1) -> ZeroPlan:
         updates = sum(update_slot(j, u) <= s for u in range(num_steps))
         version = updates - t + d
         assert 0 <= version <= delays.max(), "not causal"
-        source = LOCAL if i == o else RING if i > 0 and delays[i - 1, j] == d else OWNER
+        assert (s, o) not in served, "two users of a stage in one slot"
+        served.add((s, o))
+        source = LOCAL if i == o else OWNER
         for key, value in (("kind", BWD if backward else FWD), ("stage", j), ("step", t),
-                           ("version", version), ("source", source)):
+                           ("version", version), ("delay", d), ("source", source)):
           tab[key][s, i] = value
-        if source == RING:
-          transfers.append(Transfer(s, "param", i - 1, i, j, "ring", 0))
-        elif source == OWNER:
+        tab["serve_version"][s, o], tab["serve_delay"][s, o] = version, d
+        if source == OWNER:
           transfers.append(Transfer(s, "param", o, i, j, "owner", version))
         if not backward:
           tab["state_ring"][s, i] = i > 0 or t > 0
           if tab["state_ring"][s, i]:
             transfers.append(Transfer(s, "state", (i - 1) % num_workers, i, j, "ring", 0))
           continue
-        tab["grad_chain"][s, i] = 1 <= i <= o or i >= o + 2
-        tab["grad_end"][s, i] = i == o
-        if tab["grad_chain"][s, i]:
-          transfers.append(Transfer(s, "grad", i - 1, i, j, "ring", 0))
+        if source == OWNER:
+          transfers.append(Transfer(s, "grad", i, o, j, "owner", 0))
         if i == last:
-          if o != last:
-            transfers.append(Transfer(s + 1, "grad", last, o, j, "final", 0))
           tab["update"][s + 1, o], tab["update_step"][s + 1, o] = 1, t
   return ZeroPlan(**tab, transfers=sorted(transfers))
-
-
-MESSAGES = ROUTES[:4]  # The stage and gradient routes, which share ppermute rounds.
-PARAM_RING, PARAM_OWNER, GRAD_RING, GRAD_FINAL = 1, 2, 3, 4  # 1 + their index in MESSAGES.
-
-
-class MessageRounds(NamedTuple):
-  """The stage and gradient messages of a call as ``ppermute`` rounds.
-
-  Per slot, the messages of a round have distinct sources and targets, so one
-  collective-permute carries them; a stage buffer and a gradient share a
-  round where their pairs allow (both are ``Q = P + M`` elements).
-
-  Attributes:
-    index: ``[R, S]``, which of ``pair_lists[r]`` round ``r`` uses at each slot (0: none).
-    pair_lists: per round, the distinct pair lists; list 0 is empty.
-    sent: ``[R, S, N]``, the message (1 + its index in ``MESSAGES``) a worker sends in a
-      round, 0 for none.
-    received: ``{kind: [S, N]}``, the round in which a worker receives its message of
-      ``kind`` (0 where it receives none).
-  """
-  index: np.ndarray
-  pair_lists: list
-  sent: np.ndarray
-  received: dict
-
-
-def _edge_colours(edges: list[tuple[int, int]]) -> list[int]:
-  """Colours of the edges ``(src, dst)`` of a bipartite multigraph, as many as its largest degree.
-
-  Koenig's theorem, by the textbook alternating-path swap (a few edges per slot:
-  no library needed).
-  """
-  ends = [(("src", s), ("dst", d)) for s, d in edges]
-  degree = defaultdict(int)
-  for u, v in ends:
-    degree[u] += 1
-    degree[v] += 1
-  at = defaultdict(dict)  # node -> {colour: edge}
-  colour = [0] * len(edges)
-  free = lambda node: next(c for c in range(max(degree.values())) if c not in at[node])
-  for e, (u, v) in enumerate(ends):
-    a, b = free(u), free(v)
-    if a in at[v]:  # Swap a and b along the path from v alternating a, b: it cannot reach u.
-      path, node, c = [], v, a
-      while c in at[node]:
-        f = at[node][c]
-        path.append(f)
-        node = ends[f][0] if node == ends[f][1] else ends[f][1]
-        c = b if c == a else a
-      for f in path:
-        for n in ends[f]:
-          del at[n][colour[f]]
-      for f in path:
-        colour[f] = b if colour[f] == a else a
-        for n in ends[f]:
-          at[n][colour[f]] = f
-    colour[e] = a
-    at[u][a] = at[v][a] = e
-  return colour
-
-
-def message_rounds(plan: ZeroPlan) -> MessageRounds:
-  """The fewest rounds per slot for the call's stage and gradient messages.
-
-  One collective-permute per round instead of one per route: each runs on every
-  device, and a device that receives nothing still writes a buffer of zeros.
-  """
-  num_slots, num_workers = plan.kind.shape
-  by_slot = defaultdict(list)
-  for t in plan.transfers:
-    if (t.kind, t.route) in MESSAGES:
-      by_slot[t.slot].append(t)
-  colours = {slot: _edge_colours([(t.src, t.dst) for t in ts]) for slot, ts in by_slot.items()}
-  num_rounds = 1 + max((max(c) for c in colours.values()), default=0)
-  index = np.zeros((num_rounds, num_slots), np.int32)
-  sent = np.zeros((num_rounds, num_slots, num_workers), np.int32)
-  received = {k: np.zeros((num_slots, num_workers), np.int32) for k in ("param", "grad")}
-  pair_lists = [[()] for _ in range(num_rounds)]
-  for slot, transfers in by_slot.items():
-    for r in range(num_rounds):
-      pairs = tuple(sorted((t.src, t.dst) for t, c in zip(transfers, colours[slot]) if c == r))
-      if not pairs:
-        continue
-      if pairs not in pair_lists[r]:
-        pair_lists[r].append(pairs)
-      index[r, slot] = pair_lists[r].index(pairs)
-    for t, r in zip(transfers, colours[slot]):
-      # Messages go out before the slot's update: an owner sends no version as it updates.
-      assert not (t.route == "owner" and plan.update[slot, t.src]), t
-      sent[r, slot, t.src] = 1 + MESSAGES.index((t.kind, t.route))
-      received[t.kind][slot, t.dst] = r
-  return MessageRounds(index, [[list(p) for p in lists] for lists in pair_lists], sent, received)
 
 
 def cyclic_transfers(delays, num_steps: int = 1) -> list[Transfer]:

@@ -10,22 +10,25 @@ model state (rows of ``[N, ...]`` state arrays are in owner order).
 from slot ``2Jt + 2i``: the forward of stage ``j`` at phase ``j``, its backward
 at phase ``2J-1-j`` (DESIGN.md section 1), with no flush between steps. One
 call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
-`plan.zero_plan`. A slot's stage and gradient messages travel in as few
-``lax.ppermute`` rounds as its busiest worker allows (`plan.message_rounds`: an edge
-colouring per slot; a ``lax.switch`` over each round's distinct pair lists),
-since every collective-permute costs every device a barrier and a buffer
-written, whether or not it receives:
+`plan.zero_plan`. At any slot a stage is used by at most one worker, so:
 
-- The buffer a worker uses for stage ``j`` goes on to worker ``i+1``, which
-  needs the same stage and version 2 slots later (the ring). The owner uses
-  its own copy, and sends the version the rule prescribes to worker 0 and to
-  any worker whose version differs from its predecessor's. Forward and
-  backward each circulate the stage once: no worker keeps a stage from its
-  forward to its backward (ZeRO-3 gathers twice for the same reason).
-- A stage's gradient is accumulated along two ring chains as backwards run:
-  workers ``0..o`` end at the owner ``o``; workers ``o+1..N-1`` end at worker
-  ``N-1``, which sends the sum to the owner the next slot. The owner applies
-  the optimizer there, before its own forward of the next step.
+- The owner sends the version the rule prescribes straight to the worker that
+  uses it, just in time: the slot's stage messages are one ``lax.ppermute``
+  (a ``lax.switch`` over the plan's distinct pair lists), and no worker holds
+  a stage it is not using. Forward and backward each receive the stage once:
+  no worker keeps a stage from its forward to its backward (ZeRO-3 gathers
+  twice for the same reason).
+- A backward's gradient goes straight to the owner, right after it (one
+  ``ppermute`` a slot), and the owner adds it to the one sum it keeps. The
+  owner applies the optimizer at the start of the slot after worker ``N-1``'s
+  backward, before its own forward of the next step; the next step's first
+  gradient of the stage comes one slot later.
+
+An earlier version passed stages and gradient sums along the ring of workers
+(neighbours only, as the paper draws it): the same messages and bytes, but
+each worker held the stage buffers and partial sums of the last 2 slots, 4
+stage sizes more per chip on the TPU (BENCHMARKS.md, "Pod plan"). Direct
+messages cross up to ``N/2`` torus hops where the ring crossed one.
 - Model states (BatchNorm statistics, ``M`` elements) travel a ring of their
   own with the forwards: each forward reads the stage's state of step ``t``
   and adds its new state to a running sum; worker ``N-1`` turns the sum into
@@ -47,18 +50,17 @@ replicated and averaged by one all-reduce. Rule ``dp`` runs this way
 (`executor.resolve`).
 
 **Replicas.** On a mesh ``(replica, data)`` (``jax.make_mesh((R, N),
-("replica", "data"))``) each replica runs its own ring (or ZeRO-3 group) on its
+("replica", "data"))``) each replica runs its own timetable (or ZeRO-3 group) on its
 ``N*b`` rows, and each stage's gradient is summed over ``replica`` by one
 ``psum`` per stage and step, where the stage updates: the engine with ``R*N``
-workers and the ring's delay matrix tiled ``R`` times.
+workers and the delay matrix tiled ``R`` times.
 
 Delay compensations (`executor.RulePlan`, `compensation`): the owner
 extrapolates the version it sends or uses (weight prediction; one more version
 of the owned stage, messages unchanged). DC-ASGD's ``theta_t`` is the owner's
-alone, so the gradient chains also carry, per delay ``d > 0`` of the rule, the
-sum of ``g * g`` of the workers that read the stage ``d`` stale (a message of
-``2P + M`` for cdp-v1 and cdp-v2), and the owner adds the correction at its
-update. ZeRO-3 gathers the extra versions those need.
+alone, so the gradient messages also carry, per delay ``d > 0`` of the rule,
+``g * g`` where the worker read the stage ``d`` stale (a message of ``2P + M``
+for cdp-v1 and cdp-v2), and the owner adds the correction at its update. ZeRO-3 gathers the extra versions those need.
 
 The optimizer sees each stage as one flat vector, so it must act elementwise
 (sgd, momentum, adam, weight decay): a transform that needs a global view,
@@ -79,8 +81,7 @@ from cdpjax import compensation, compiled, engine
 from cdpjax import executor as executor_lib
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.pipeline import StagedState, Trees, portable_fns, replicated
-from cdpjax.executed.device import (after as staged_after, block as staged_block, set_block,
-                                    steps_batch, vary, with_steps_axis)
+from cdpjax.executed.device import after as staged_after, steps_batch, vary, with_steps_axis
 from cdpjax.executed.staged import StagedModel
 
 AXIS = "data"
@@ -115,7 +116,7 @@ def _mesh_axes(mesh: Mesh) -> tuple[str, ...]:
     raise ValueError(
         f"The mesh has axes {names}: CDP-ZeRO runs on jax.make_mesh((num_workers,), "
         f"({AXIS!r},)), or jax.make_mesh((R, num_workers), ({REPLICA!r}, {AXIS!r})) for R "
-        "replicas of the ring.")
+        "replicas of the timetable.")
   return names
 
 
@@ -207,18 +208,16 @@ def _version(versions, index):
 class _Carry(NamedTuple):
   """The scan carry of one cyclic worker: its owned stage and its micro-batch in flight.
 
-  Two-slot queues are indexed by slot parity: row ``s % 2`` holds what slot
-  ``s-2`` produced until slot ``s`` sends it on and overwrites it.
+  The model-state queue is indexed by slot parity: row ``s % 2`` holds what
+  slot ``s-2`` produced until slot ``s`` sends it on and overwrites it.
   """
   versions_V: Any    # The owned stage, one buffer per version (they stay in the state's
                      # buffers): theta_{t-v} is versions_V[(head + v) % V].
   head: Any
   opt_state: Any
   model_state_M: Any
-  used_2xP: Any      # Stage buffers used, to send on along the ring.
-  grads_3Q: Any      # Rows 0, 1 (of Q, flat: a TPU pads a [3, Q] array to 4 rows): gradient
-                     # partial sums (and next model states), to send on along a chain;
-                     # row 2: the owned stage's chain that ends here.
+  acc_Q: Any         # The owned stage's gradient messages of the step (and its next model
+                     # state, DC-ASGD's sums), summed until its update.
   state_2x2M: Any    # Forward model-state messages: the state read, the sum of new ones.
   h_A: Any
   cot_A: Any
@@ -229,7 +228,7 @@ class _Carry(NamedTuple):
 
 
 class Ring(NamedTuple):
-  """Static facts of the cyclic ring on one mesh."""
+  """Static facts of the cyclic timetable on one mesh."""
   num_workers: int
   size_p: int
   size_m: int
@@ -240,40 +239,23 @@ class Ring(NamedTuple):
 
   @property
   def size_q(self) -> int:
-    """A message: a stage buffer and a model state, or a gradient and the next model state;
-    with DC-ASGD, then per delay ``d`` of ``dc_delays`` the sum of ``g * g`` of the workers
-    that read the stage ``d`` stale (zeros in a stage message)."""
+    """A gradient message: a gradient and the next model state; with DC-ASGD, then per delay
+    ``d`` of ``dc_delays`` ``g * g`` where the worker read the stage ``d`` stale."""
     return self.size_p * (1 + len(self.dc_delays)) + self.size_m
 
   def vary(self, tree, state=False):
     """Typed for the carry: the owned stage is the same on every replica, the rest is not."""
     return vary(tree, (AXIS,) if state else self.axes)
 
-  def send(self, rounds: plan_lib.MessageRounds, slot, me, make, *operands):
-    """The rounds of messages at ``slot``: the buffer each round delivered here (zeros if none).
-
-    ``make(message, *operands)`` is the buffer a worker sends (``message`` as in ``sent``).
-    Each round waits for the one before (`_switch_permute`).
-    """
-    out = []
-    for r, pair_lists in enumerate(rounds.pair_lists):
-      message = jnp.asarray(rounds.sent[r])[slot, me]
-      out.append(self._switch_permute(
-          jnp.asarray(rounds.index[r])[slot], pair_lists, out[-1][0] if out else None,
-          lambda *ops, message=message: make(message, *ops), *operands))
-    return out
-
   def route(self, name, slot, after, make, *operands):
-    """The messages ``name`` of ``plan.ROUTES`` at ``slot``; ``make(*operands)`` is the buffer sent."""
-    index, pair_lists = self.plan.routes(*name)
-    return self._switch_permute(jnp.asarray(index)[slot], pair_lists, after, make, *operands)
-
-  def _switch_permute(self, index, pair_lists, after, make, *operands):
-    """``ppermute(make(*operands))`` over ``pair_lists[index]``, zeros for an empty list.
+    """The messages ``name`` of ``plan.ROUTES`` at ``slot``: ``ppermute(make(*operands))`` over
+    the slot's pair list (the buffer delivered here; zeros where none is).
 
     The buffer sent depends on ``after`` (the previous collective's result, or
     None; `device.after`), which fixes the order of the two collectives.
     """
+    index, pair_lists = self.plan.routes(*name)
+    index = jnp.asarray(index)[slot]
     shape = jax.eval_shape(make, *operands)
 
     def branch(pairs):
@@ -284,7 +266,7 @@ class Ring(NamedTuple):
     return jax.lax.switch(index, [branch(p) for p in pair_lists], after, *operands)
 
   def permute(self, buffer, pairs):
-    """The one place a message crosses devices (bench_zero times the ring without it)."""
+    """The one place a message crosses devices (bench_zero times the timetable without it)."""
     return jax.lax.ppermute(buffer, AXIS, pairs)
 
 
@@ -299,11 +281,11 @@ def _read(carry: _Carry, version, delay, predict: bool):
       theta, _version(carry.versions_V, (carry.head + version + 1) % num_versions), delay)
 
 
-def _update(ring: Ring, tx, rule: executor_lib.RulePlan, carry: _Carry, final_Q, step,
+def _update(ring: Ring, tx, rule: executor_lib.RulePlan, carry: _Carry, step,
             first_step) -> _Carry:
-  """The owner's optimizer step on its stage, with the chains' sum (and the replicas'), of the
+  """The owner's optimizer step on its stage, with its messages' sum (and the replicas'), of the
   call's step ``step`` (the run's ``first_step + step``)."""
-  acc = staged_block(carry.grads_3Q, 2, final_Q.shape[0]) + final_Q
+  acc = carry.acc_Q
   if ring.num_replicas > 1:
     acc = jax.lax.psum(acc, REPLICA)  # The one all-reduce of this stage and step.
   params = _version(carry.versions_V, carry.head)
@@ -325,7 +307,7 @@ def _update(ring: Ring, tx, rule: executor_lib.RulePlan, carry: _Carry, final_Q,
   return carry._replace(
       versions_V=tuple(jnp.where(head == k, params, v) for k, v in enumerate(carry.versions_V)),
       head=head,
-      opt_state=ring.vary(opt_state, state=True),
+      opt_state=ring.vary(opt_state, state=True), acc_Q=jnp.zeros_like(carry.acc_Q),
       model_state_M=ring.vary(acc[ring.size_p:][:ring.size_m] / ring.num_replicas, state=True),
       stats_3xK=stats)
 
@@ -379,73 +361,39 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
   plan = plan_lib.zero_plan(delays, num_steps)
   dc_delays = tuple(sorted(set(delays[delays > 0].tolist()))) if rule.dc_lambda else ()
   ring = Ring(staged.num_stages, staged.param_size, staged.state_size, tuple(axes),
-               num_replicas, plan, dc_delays)
-  tables = {k: getattr(plan, k) for k in ("kind", "stage", "step", "version", "source", "update",
-                                          "update_step", "grad_chain", "grad_end", "state_ring")}
-  tables["send_version"] = plan.send_version()
-  # The reader's delay d[i, j] (weight prediction's factor, DC's sum): of each event, and of
-  # the worker each owner's message goes to.
-  tables["delay"] = delays[np.arange(ring.num_workers)[None, :], plan.stage]
-  tables["send_delay"] = np.zeros_like(plan.version)
-  for t in plan.transfers:
-    if t.route == "owner":
-      tables["send_delay"][t.slot, t.src] = delays[t.dst, t.stage]
+              num_replicas, plan, dc_delays)
+  tables = {k: getattr(plan, k) for k in ("kind", "stage", "step", "version", "delay", "source",
+                                          "serve_version", "serve_delay", "update",
+                                          "update_step", "state_ring")}
   branches = _branches(staged, ring)
   size_p, size_m = ring.size_p, ring.size_m
   assert (plan.update.sum(axis=0) == num_steps).all()  # `_by_age` relies on it.
-  if 3 * ring.size_q >= 2**31:
-    raise ValueError(f"Stages of {ring.size_q} elements are too large for the ring's int32 "
-                     "offsets (3 of them in one buffer): cut the model into more stages.")
-  rounds = plan_lib.message_rounds(plan)
 
   def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB, first_step):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
-    own = lambda c, v, d: ring.vary(_read(c, v, d, rule.predict))
-    parity = slot % 2
-    stage_pad = [jnp.zeros((ring.size_q - size_p - size_m,), jnp.float32)] if dc_delays else []
-
-    def message(m, used, grads):
-      """Sent on: a ring's stage buffer or chain partial sum of 2 slots ago, an owner's version
-      and model state (never in the slot of its update: `plan.message_rounds`), worker N-1's
-      tail-chain sum of 1 slot ago."""
-      param_owner, grad_final = plan_lib.PARAM_OWNER, plan_lib.GRAD_FINAL
-      stage = jnp.where(m == param_owner, own(c, ev["send_version"], ev["send_delay"]),
-                        used[parity])
-      grad = staged_block(grads, jnp.where(m == grad_final, 1 - parity, parity), ring.size_q)
-      return jnp.where(m <= param_owner, jnp.concatenate(
-          [stage, ring.vary(c.model_state_M)] + stage_pad), grad)
-    out = ring.send(rounds, slot, me, message, c.used_2xP, c.grads_3Q)
-    pick = lambda kind: functools.reduce(
-        lambda acc, r: jnp.where(jnp.asarray(rounds.received[kind])[slot, me] == r, out[r], acc),
-        range(1, len(out)), out[0])
-    # Picked where used: a conditional's operand would be written out in full every slot.
     c = jax.lax.cond(ev["update"] == 1,
-                     lambda c: _update(ring, tx, rule, c, pick("grad"), ev["update_step"],
-                                       first_step),
+                     lambda c: _update(ring, tx, rule, c, ev["update_step"], first_step),
                      lambda c: c, c)
-    param_in = pick("param")
+    # The owner reads the version this slot's user of its stage needs: sent, or its own.
+    served = ring.vary(_read(c, ev["serve_version"], ev["serve_delay"], rule.predict))
+    param_in = ring.route(("param", "owner"), slot, None, lambda *m: jnp.concatenate(m),
+                          served, ring.vary(c.model_state_M))
     local = ev["source"] == plan_lib.LOCAL
-    buf = jnp.where(local, own(c, ev["version"], ev["delay"]), param_in[:size_p])
-    first_state = jnp.where(local, c.model_state_M, param_in[size_p:][:size_m])
+    buf = jnp.where(local, served, param_in[:size_p])
+    first_state = jnp.where(local, c.model_state_M, param_in[size_p:])
     state = jnp.concatenate([first_state, jnp.zeros((size_m,), jnp.float32)])
-    if size_m:
-      after = c.stats_3xK[0, 0]  # Written by the update's conditional: the state ring goes after.
+    if size_m:  # After the stage messages, which devices must not order apart (`device.after`).
       state = jnp.where(ev["state_ring"] == 1, ring.route(
-          ("state", "ring"), slot, after, lambda m: m[slot % 2], c.state_2x2M), state)
+          ("state", "ring"), slot, param_in[0], lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
     h, cot, stash, stash_m, next_m, grads, msg, loss = jax.lax.switch(
         ev["kind"], branches, (c, ev, buf, state, me, x, labels))
-    partial = grads + jnp.where(ev["grad_chain"] == 1, pick("grad"), 0.0)
-    # The owner's own chain ends here (row 2) until its update; no worker reads that row's queue.
-    # Every slot writes a row, though only a backward's is read: writing it under a conditional
-    # cut this bookkeeping on the CPU but raised the TPU compiler's peak by about the queue's
-    # size, so: unconditional.
-    grads_row = jnp.where(ev["grad_end"] == 1, 2, parity)
+    # A backward's gradient goes to the owner (zeros elsewhere); the owner's own is added here.
+    grads_in = ring.route(("grad", "owner"), slot, None, lambda g: g, grads)
+    acc = c.acc_Q + grads_in + jnp.where(local, grads, 0.0)
     return c._replace(
-        used_2xP=c.used_2xP.at[parity].set(buf),
-        grads_3Q=set_block(c.grads_3Q, grads_row, ring.size_q, partial),
-        state_2x2M=c.state_2x2M.at[parity].set(msg), h_A=h, cot_A=cot, stash_JxA=stash,
-        stash_JxM=stash_m, next_JxM=next_m,
+        acc_Q=acc, state_2x2M=c.state_2x2M.at[slot % 2].set(msg), h_A=h, cot_A=cot,
+        stash_JxA=stash, stash_JxM=stash_m, next_JxM=next_m,
         stats_3xK=c.stats_3xK.at[0, ev["step"]].add(loss)), None
 
   def body(state: StagedState, batch):
@@ -459,8 +407,7 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
         versions_V=tuple(ring.vary(v[0], state=True) for v in state.versions),
         head=ring.vary(jnp.zeros((), jnp.int32), state=True),
         opt_state=ring.vary(jax.tree.map(lambda a: a[0], state.opt_state), state=True),
-        model_state_M=ring.vary(model_state[0], state=True), used_2xP=zeros(2, size_p),
-        grads_3Q=zeros(3 * ring.size_q),
+        model_state_M=ring.vary(model_state[0], state=True), acc_Q=zeros(ring.size_q),
         state_2x2M=zeros(2, 2 * size_m), h_A=zeros(act), cot_A=zeros(act),
         stash_JxA=zeros(ring.num_workers, act), stash_JxM=zeros(ring.num_workers, size_m),
         next_JxM=zeros(ring.num_workers, size_m), stats_3xK=zeros(3, num_steps))
