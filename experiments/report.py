@@ -186,7 +186,10 @@ def tpu_plan_rows(data: dict) -> list[Row]:
             f"temporaries; a stage is {cz['largest_stage_MiB']:.2f} MiB)",
             "; ".join(", ".join(f"{k} {v:.2f}" for k, v in p["hbm_by_kind_MiB"].items()
                                 if v >= 0.005) + " MiB, heap ranges "
-                      + (_fmt(p["hbm_temp_large_MiB"], ".2f") or "none") for p in (cz, z3))
+                      + (_fmt(p["hbm_temp_large_MiB"], ".2f") or "none")
+                      + ("" if p.get("hbm_tuple_tables") is None else
+                         f", heap arrays {p['hbm_temp_arrays_MiB']:.2f} MiB and "
+                         f"{p['hbm_tuple_tables']} tuple tables") for p in (cz, z3))
             + f"; with on-chip VMEM {_gib(with_vmem[0])} / {_gib(with_vmem[1])} = "
             f"{with_vmem[0] / with_vmem[1]:.2f}"))
       moved = cz["collective_MiB_max"] / z3["collective_MiB_max"]

@@ -307,6 +307,8 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
       "estimate_peak_GiB": m["peak_bytes"] / gib, "vmem_GiB": m.get("vmem_bytes", 0) / gib,
       "hbm_by_kind_MiB": {k: v / mib for k, v in m.get("hbm_by_kind", {}).items()},
       "hbm_temp_large_MiB": [r["bytes"] / mib for r in m.get("hbm_temp_ranges", [])],
+      "hbm_temp_arrays_MiB": m["hbm_temp_arrays_bytes"] / mib if "hbm_tuple_tables" in m else None,
+      "hbm_tuple_tables": m.get("hbm_tuple_tables"),
       "argument_GiB": m["argument_bytes"] / gib, "temp_GiB": m["temp_bytes"] / gib,
       "fits": compiled["fits"],
       "model_recompute_GiB": prediction["recompute_bytes"] / gib,

@@ -88,6 +88,9 @@ def test_memory_and_fit_are_consistent_and_no_loop_blind_flops(executed, engine_
     assert result["hbm_per_chip_bytes"] == aot.CHIP_HBM_BYTES["v5e"] == 16 * aot.GIB
     # The buffer assignment's HBM holds the arguments; the fit is judged on it.
     assert m["hbm_bytes"] >= m["argument_bytes"] and m["vmem_bytes"] >= 0
+    # The heap holds arrays and tuple tables; the TPU's are 16 KiB slots.
+    assert 0 <= m["hbm_temp_arrays_bytes"] <= m["hbm_by_kind"].get("temp", 0)
+    assert m["hbm_tuple_tables"] * 16 * 1024 <= m["hbm_by_kind"].get("temp", 0)
     assert result["fits"] == (m["hbm_bytes"] <= result["hbm_per_chip_bytes"])
     assert "flops" not in result and "optimal_seconds" not in result  # A loop body counted once.
   # The parameters of the same model: a replicated engine state holds them all on every chip.

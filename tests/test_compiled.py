@@ -88,6 +88,9 @@ def test_buffer_assignment_holds_arguments_and_outputs(mesh, x, tmp_path):
   assert all(a["offset"] + a["bytes"] <= b["offset"] for a, b in zip(ranges, ranges[1:]))
   assert all(0.02 * by_kind["temp"] <= r["bytes"] and r["offset"] + r["bytes"] <= by_kind["temp"]
              and r["values"] for r in ranges)
+  # The heap's array slots: the large ranges' values are arrays, all within the heap.
+  assert sum(r["bytes"] for r in ranges) <= assignment["temp_arrays"] <= by_kind.get("temp", 0)
+  assert assignment["temp_tuple_tables"] >= 0
   with pytest.raises(ValueError, match="found 0"):
     compiled.buffer_assignment(str(tmp_path / "empty"))
   del program

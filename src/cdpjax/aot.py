@@ -217,7 +217,9 @@ def report(lowered, topology: str) -> dict:
   memory.update(hbm_bytes=assignment["spaces"]["default"],
                 vmem_bytes=assignment["spaces"].get("vmem", 0),
                 hbm_by_kind=assignment["default_by_kind"],
-                hbm_temp_ranges=assignment["temp_ranges"])
+                hbm_temp_ranges=assignment["temp_ranges"],
+                hbm_temp_arrays_bytes=assignment["temp_arrays"],
+                hbm_tuple_tables=assignment["temp_tuple_tables"])
   chip, num_chips = parse_topology(topology)
   hbm = CHIP_HBM_BYTES[chip]
   return {
@@ -275,6 +277,8 @@ def summary(result: dict) -> str:
       "  the temp heap's large ranges: " + (", ".join(
           f"{_gib(r['bytes'])} ({r['values'][0].split()[0]})" for r in m["hbm_temp_ranges"])
           or "none"),
+      f"  the temp heap's arrays: {_gib(m['hbm_temp_arrays_bytes'])}; the rest is "
+      f"{m['hbm_tuple_tables']} tuple tables (16 KiB each) and alignment",
       f"  on-chip (VMEM)  {_gib(m['vmem_bytes'])}",
       "XLA's memory analysis (its temp is not the HBM heap: docs/multihost.md):",
       *[f"  {key:<15} {_gib(m[key + '_bytes'])}" for key in

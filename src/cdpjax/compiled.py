@@ -56,12 +56,16 @@ def buffer_assignment(dump_dir: str) -> dict:
   program in ``dump_dir``.
 
   Returns ``{"spaces": {name: bytes}, "default_by_kind": {kind: bytes},
-  "temp_ranges": [...]}``: kinds ``parameter`` (arguments), ``temp`` (the heap
-  of temporaries at its peak), ``output``, ``thread-local``, ``constant``;
-  ``temp_ranges``, the disjoint byte ranges of that heap holding values of at
-  least 2% of it (``{"offset", "bytes", "values"}``, a few value names and
-  shapes each): the large temporaries the program needs at some point
-  together, as the compiler placed them.
+  "temp_ranges": [...], "temp_arrays": bytes, "temp_tuple_tables": count}``:
+  kinds ``parameter`` (arguments), ``temp`` (the heap of temporaries at its
+  peak), ``output``, ``thread-local``, ``constant``; ``temp_ranges``, the
+  disjoint byte ranges of that heap holding values of at least 2% of it
+  (``{"offset", "bytes", "values"}``, a few value names and shapes each): the
+  large temporaries the program needs at some point together, as the compiler
+  placed them. ``temp_arrays`` sums the heap's array slots (the largest array
+  at each offset); the rest of the heap is tuple tables (``temp_tuple_tables``
+  of them: the TPU compiler gives each a 16 KiB slot, which dominates small
+  programs' heaps) and alignment.
   """
   import glob  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
@@ -75,7 +79,7 @@ def buffer_assignment(dump_dir: str) -> dict:
   with open(found["memory-usage-report"][0]) as f:
     spaces = {name: int(total) for name, total in re.findall(
         r"^Memory Space: (\S+) \(color=\d+\)\nTotal bytes: (\d+)", f.read(), re.M)}
-  by_kind, heap = {}, []
+  by_kind, heap, tuples = {}, [], set()
   with open(found["buffer-assignment"][0]) as f:
     text = f.read()
   for size, rest, values in re.findall(
@@ -88,8 +92,15 @@ def buffer_assignment(dump_dir: str) -> dict:
                  if rest.startswith(word)), "other")
     by_kind[kind] = by_kind.get(kind, 0) + int(size)
     if kind == "temp":
-      heap += [(int(o), int(n), f"{name} {shape}") for name, n, o, shape in re.findall(
-          r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)", values)]
+      for name, n, o, shape in re.findall(
+          r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)", values):
+        if shape.startswith("("):
+          tuples.add(int(o))
+        else:
+          heap.append((int(o), int(n), f"{name} {shape}"))
+  arrays = {}
+  for offset, size, _ in heap:
+    arrays[offset] = max(arrays.get(offset, 0), size)
   ranges = []
   for offset, size, value in sorted(v for v in heap if v[1] >= 0.02 * by_kind.get("temp", 0)):
     if ranges and offset < ranges[-1]["offset"] + ranges[-1]["bytes"]:  # Overlaps: merge.
@@ -99,7 +110,8 @@ def buffer_assignment(dump_dir: str) -> dict:
         last["values"].append(value)
     else:
       ranges.append({"offset": offset, "bytes": size, "values": [value]})
-  return {"spaces": spaces, "default_by_kind": by_kind, "temp_ranges": ranges}
+  return {"spaces": spaces, "default_by_kind": by_kind, "temp_ranges": ranges,
+          "temp_arrays": sum(arrays.values()), "temp_tuple_tables": len(tuples)}
 
 
 def memory(compiled) -> dict[str, int]:
