@@ -15,14 +15,14 @@ each compiled all-reduce the table gives how many compute instructions
 an all-reduce with none after it cannot overlap the backward.
 
 Beside the engine's step (``backward=engine``: ``jax.value_and_grad`` of the
-whole loss, then one ``psum`` per stage), the same data-parallel update is
-lowered with a stage-by-stage backward (`cdpjax.executed.staged`: each
-stage's vjp, recomputing its forward, then its ``psum``), without
-(``stagewise``) and with (``tied``) a scheduling dependency: the cotangent
-handed to stage ``j - 1`` leaves an ``optimization_barrier`` together with
-stage ``j``'s reduced gradients, so no backward of an earlier stage can be
-scheduled before stage ``j``'s all-reduce. The tied program shows where the
-compilers then put the ``J`` all-reduces: between the stages' backwards.
+whole loss, then one ``psum`` per stage), the same step with the engine's tied
+backward (``backward=tied``, ``--config.tied_backward``,
+``engine.make_train_step(staged=)``): each stage's vjp, then its ``psum``; the
+cotangent handed to stage ``j - 1`` leaves an ``optimization_barrier``
+together with stage ``j``'s reduced gradients, so no backward of an earlier
+stage can be scheduled before stage ``j``'s all-reduce. The tied program
+shows where the compilers then put the ``J`` all-reduces: between the stages'
+backwards.
 
   python experiments/bench_overlap.py          # results/bench_overlap/bench_overlap.json
   python experiments/bench_overlap.py --quick  # seconds
@@ -82,55 +82,20 @@ def _abstract(tree, mesh):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), tree)
 
 
-def lowered_step(mesh, rule: str, width: int, per_worker_batch: int):
-  """The engine's lowered step for a residual MLP on ``mesh``, from abstract inputs only."""
-  model, _, params, stage_ids, tx = _problem(width)
+def lowered_step(mesh, rule: str, width: int, per_worker_batch: int, tied: bool = False):
+  """The engine's lowered step for a residual MLP on ``mesh``, from abstract inputs only;
+  ``tied``: with the tied backward."""
+  model, sample, params, stage_ids, tx = _problem(width)
 
   def loss_fn(p, batch):
-    logits = model.apply({"params": p}, batch["image"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return tasks.cross_entropy(model.apply({"params": p}, batch["image"]), batch["label"])
 
-  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh)
+  staged = (staged_lib.stage_model(model, params, stage_ids, sample, loss_fn=tasks.cross_entropy)
+            if tied else None)
+  step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
+                                staged=staged)
   state = _abstract(jax.eval_shape(step.init, params), mesh)
   return step.lower(state, _abstract_batch(mesh, per_worker_batch))
-
-
-def lowered_stagewise_step(mesh, width: int, per_worker_batch: int, tied: bool):
-  """Data parallelism with a stage-by-stage backward, one ``psum`` after each stage's vjp.
-
-  Written here, not in the engine: it needs the model cut into stage
-  functions. ``tied``: the cotangent entering stage ``j - 1``'s backward
-  passes an ``optimization_barrier`` with stage ``j``'s reduced gradients.
-  """
-  model, sample, params, stage_ids, tx = _problem(width)
-  staged = staged_lib.stage_model(model, params, stage_ids, sample,
-                                  loss_fn=tasks.cross_entropy)
-  params_JxP = jax.eval_shape(lambda p: jnp.asarray(staged.pack(p)[0]), params)
-  state_M = jnp.zeros((staged.num_stages, staged.state_size), jnp.float32)
-  x_spec = jax.ShapeDtypeStruct((per_worker_batch, 8, 8, 1), jnp.float32)
-  act = staged.act_size(x_spec)
-
-  def step(state, batch):
-    params_JxP, opt_state = state
-    local = jax.lax.pcast(params_JxP, "data", to="varying")  # Each worker's gradient is its own.
-    x, labels = batch["image"], batch["label"]
-    h = jnp.zeros((act,), jnp.float32)
-    inputs = []
-    for j in range(staged.num_stages):  # Forward: keep each stage's input.
-      inputs.append(h)
-      h, _, _ = staged.apply(j, local[j], state_M[j], h, x, labels)
-    cot, grads = jnp.zeros((act,), jnp.float32), [None] * staged.num_stages
-    for j in reversed(range(staged.num_stages)):
-      g, cot = staged.vjp(j, local[j], state_M[j], inputs[j], x, labels, cot)
-      grads[j] = jax.lax.psum(g, "data") / NUM_WORKERS
-      if tied:
-        cot, _ = jax.lax.optimization_barrier((cot, grads[j]))
-    updates, opt_state = tx.update(jnp.stack(grads), opt_state, params_JxP)
-    return optax.apply_updates(params_JxP, updates), opt_state
-
-  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
-  state = (params_JxP, jax.eval_shape(tx.init, params_JxP))
-  return run.lower(_abstract(state, mesh), _abstract_batch(mesh, per_worker_batch))
 
 
 def measure(lowered, compiler_options) -> dict:
@@ -157,10 +122,9 @@ def main(argv=None):
       meshes[f"tpu {TPU_TOPOLOGY}"] = mesh
   rows = []
   for compiler, mesh in meshes.items():
-    programs = [("engine", rule, lowered_step(mesh, rule, width, per_worker_batch=32))
+    programs = [(backward, rule, lowered_step(mesh, rule, width, 32, tied=backward == "tied"))
+                for backward in ("engine", "tied")
                 for rule in (("dp",) if args.quick else ("dp", "cdp-v2"))]
-    programs += [(backward, "dp", lowered_stagewise_step(mesh, width, 32, tied=backward == "tied"))
-                 for backward in ("stagewise", "tied")]
     for backward, rule, lowered in programs:
       for combiner, options in (("on", None), ("off", NO_COMBINER)):
         rows.append({"compiler": compiler, "backward": backward, "rule": rule,

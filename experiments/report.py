@@ -485,8 +485,9 @@ SECTIONS = (
             "python experiments/bench_engine.py --workers 8 --per_worker_batch 32 --workloads mlp "
             "--repeats 5 (and --workers 2 / 1, --cpus 0 for two cores)", cpu_time_ratios_rows),
     Section("gradient_overlap", "Gradient communication against the backward on TPU",
-            "The TPU compiler's all-reduces are synchronous; a tied stage-by-stage backward keeps "
-            "them apart, one between two stages' backwards.",
+            "The TPU compiler's all-reduces are synchronous; a tied stage-by-stage backward "
+            "(the engine's --config.tied_backward) keeps them apart, one between two stages' "
+            "backwards.",
             "python experiments/bench_overlap.py", gradient_overlap_rows),
     Section("timetables_against_j", "Executed timetables against J, and stage padding",
             "Both cyclic executors scan their slot plan, so programs grow about linearly in J.",

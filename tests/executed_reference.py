@@ -65,12 +65,13 @@ def step_batch(batch, k):
 
 
 @functools.cache
-def engine_run(name, rule, num_workers, replicas=1, compensated=False):
+def engine_run(name, rule, num_workers, replicas=1, compensated=False, tied=False):
   """Per-step metrics (host numpy) and final flax variables of the engine over NUM_STEPS.
 
   ``replicas``: the engine with ``R*N`` workers whose delay matrix is the
   rule's ``(N, N)`` matrix tiled ``R`` times, as ``R`` replicated executors run it.
-  ``compensated``: with the delay compensations ``COMPENSATIONS``.
+  ``compensated``: with the delay compensations ``COMPENSATIONS``. ``tied``: the engine's
+  tied backward (``tied_backward=True``).
   """
   model, params, model_state, stage_ids = model_of(name, num_workers)
   if replicas > 1:
@@ -80,7 +81,9 @@ def engine_run(name, rule, num_workers, replicas=1, compensated=False):
   ex = executors.engine_executor(model, make_tx(name), stage_ids=stage_ids, rule=rule,
                                 mesh=jax.make_mesh((replicas * num_workers,), ("data",)),
                                 loss_fn=staged_lib.cross_entropy,
-                                with_model_state=model_state is not None)
+                                with_model_state=model_state is not None, tied_backward=tied,
+                                params=params, model_state=model_state,
+                                sample_input=np.zeros((1, 8, 8, 1), np.float32))
   state = ex.init(params, model_state)
   data, metrics = batches(name, replicas * num_workers), []
   for k in range(NUM_STEPS):

@@ -410,3 +410,39 @@ class TestBadInput:
     step = self.make(scan_steps=2)
     with pytest.raises(ValueError, match="scan_steps=2"):
       step(engine.init_state(self.params, self.tx, rule="cdp-v2"), self.batch)
+
+
+@pytest.mark.parametrize("name, rule, num_workers, compensated", [
+    ("residual_mlp", "cdp-v2", 2, False), ("residual_mlp", "cdp-v1", 4, True),
+    ("resnet18", "cdp-v2", 4, False)])
+def test_tied_backward_matches_the_engines_backward(name, rule, num_workers, compensated):
+  """Stage by stage, each stage reduced right after its backward: the same numbers, every
+  leaf and the model state (ResNet-18: BatchNorm, stages cut by FLOPs), over several steps;
+  with DC-ASGD corrected per stage, weight prediction and the delay-scaled rate."""
+  import executed_reference as ref  # pylint: disable=g-import-not-at-top
+  metrics, variables = ref.engine_run(name, rule, num_workers, compensated=compensated,
+                                      tied=True)
+  ref.assert_matches_engine(metrics, variables, name, rule, num_workers,
+                            compensated=compensated)
+
+
+def test_tied_backward_emits_one_all_reduce_per_stage_between_the_stages_backwards():
+  """J all-reduces, each stage's before the backward of the stage below it: the program's
+  order is forward, then per stage (last first) its backward's dots, its all-reduce, a barrier."""
+  import executed_reference as ref  # pylint: disable=g-import-not-at-top
+  from cdpjax import executors  # pylint: disable=g-import-not-at-top
+  model, params, model_state, stage_ids = ref.model_of("residual_mlp", 4)
+  ex = executors.engine_executor(
+      model, ref.make_tx("residual_mlp"), stage_ids=stage_ids, rule="dp", mesh=mesh_of(2),
+      loss_fn=ref.staged_lib.cross_entropy, with_model_state=False, tied_backward=True,
+      params=params, model_state=model_state, sample_input=np.zeros((1, 8, 8, 1), np.float32))
+  batch = ref.step_batch(ref.batches("residual_mlp", 2), 0)
+  text = ex.lower(ex.init(params), batch).as_text()
+  assert hlo.stablehlo_collectives(text)["all-reduce"] == 4
+  ops = re.findall(r"stablehlo\.(all_reduce|optimization_barrier|dot_general)", text)
+  backward = ops[ops.index("all_reduce"):]  # From the last stage's all-reduce on.
+  # Stage 0's barrier ties nothing (no stage below it): JAX drops it.
+  assert [op for op in backward if op != "dot_general"] == [
+      "all_reduce", "optimization_barrier"] * 3 + ["all_reduce"]
+  barriers = [k for k, op in enumerate(backward) if op == "optimization_barrier"]
+  assert all("dot_general" in backward[k:backward.index("all_reduce", k)] for k in barriers)

@@ -311,6 +311,10 @@ class TestBadMeshKeys:
       ("parallelism=zero", dict(num_replicas=0), r"num_replicas must be >= 1, got 0"),
       ("", dict(devices_per_worker=2, eval_batch_size=8),
        r"eval_batch_size=8 must be a multiple of the 16 devices"),
+      ("parallelism=zero", dict(tied_backward=True),
+       r"tied_backward=True ties the engine's.*parallelism='data'"),
+      ("", dict(tied_backward=True, devices_per_worker=2),
+       r"tied_backward=True .*devices_per_worker=1"),
   ])
   def test_refused_with_the_fix(self, arg, overrides, match):
     with pytest.raises(ValueError, match=match):

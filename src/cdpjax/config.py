@@ -84,6 +84,11 @@ def base_config() -> ml_collections.ConfigDict:
   # over which its state is sharded (same numbers as F = 1).
   c.num_replicas = 1  # R.
   c.devices_per_worker = 1  # F.
+  # parallelism=data: the backward runs stage by stage and each stage's gradient is
+  # all-reduced right after it, the next stage's backward waiting for it, so the J
+  # all-reduces stay apart over the backward (the TPU compiler merges them otherwise).
+  # Same numbers and state; needs a model the executed schedules can cut into stages.
+  c.tied_backward = False
 
   c.per_worker_batch_size = 16
   c.eval_batch_size = 128
@@ -153,7 +158,8 @@ def shrink_for_smoke(c: ml_collections.ConfigDict, num_train_steps: int) -> None
 # Keys renamed since a release: old name -> new name (a config or checkpoint may use the old).
 RENAMED_KEYS = {"stage_strategy": "stages_by"}
 # Keys added since, with the value a checkpoint that lacks them ran with.
-ADDED_KEYS = {"num_replicas": 1, "devices_per_worker": 1, "resume_step": -1}
+ADDED_KEYS = {"num_replicas": 1, "devices_per_worker": 1, "resume_step": -1,
+              "tied_backward": False}
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -217,6 +223,11 @@ def _validate_mesh(c: ml_collections.ConfigDict) -> None:
         f"--config.num_replicas={c.num_replicas} copies an executed schedule "
         "(parallelism=model or zero); parallelism=data runs every worker on the 'data' axis: "
         "set --config.num_replicas=1 and raise --config.num_workers instead.")
+  if c.tied_backward and (c.parallelism != "data" or c.devices_per_worker != 1):
+    raise ValueError(
+        "--config.tied_backward=True ties the engine's per-stage all-reduces into its backward "
+        "on a 1-D mesh: use parallelism='data' with devices_per_worker=1, or "
+        "--config.tied_backward=False (the executed schedules reduce each stage where it runs).")
   if c.devices_per_worker != 1 and c.parallelism != "data":
     raise ValueError(
         f"--config.devices_per_worker={c.devices_per_worker} shards the engine's state inside a "

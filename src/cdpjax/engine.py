@@ -441,8 +441,46 @@ def _resolve_rule(rule, stage_ids, num_workers: int, rotate: bool) -> _Rule:
   return _Rule(plan, num_workers, num_stages, stage_of_leaf, _Slots(depths, rotate))
 
 
+def _tied_backward(staged, view, model_state, batch, reduce_stage):
+  """``(loss, new model state, reduced grads)`` of one worker, stage by stage (``staged``).
+
+  The forward runs the stages in order, keeping each one's vjp (residuals, as
+  ``jax.value_and_grad`` keeps them: nothing is recomputed); the backward runs
+  them in reverse, and ``reduce_stage(j, leaves, extras)`` reduces stage ``j``'s
+  gradient leaves right after its backward; the cotangent handed to stage
+  ``j - 1`` leaves an ``optimization_barrier`` with them, so the compiler can
+  neither merge the ``J`` all-reduces nor move them after the backward. The loss
+  and the new model state ride in the last stage's reduction (``extras``).
+  """
+  x, labels = batch["image"], batch["label"]
+  state_of = lambda j: staged.stage_state_flat(j, model_state)
+  h = jnp.zeros((staged.act_size(jax.ShapeDtypeStruct(x.shape, x.dtype)),), jnp.float32)
+  vjps, losses, new_states = [], [], []
+  for j in range(staged.num_stages):
+    def stage(p, h, j=j):
+      h_out, loss, new_state = staged.apply(j, p, state_of(j), h, x, labels)
+      return (h_out, loss), new_state
+    (h, loss), vjp, new_state = jax.vjp(stage, staged.stage_params_flat(j, view), h,
+                                        has_aux=True)
+    vjps.append(vjp)
+    losses.append(loss)  # The last stage's; 0 (a constant) before it.
+    new_states.append(new_state)
+  new_model_state = staged.model_state_tree(new_states) if model_state is not None else None
+  cot, grads, extras = jnp.zeros_like(h), {}, (loss, new_model_state)
+  for j in reversed(range(staged.num_stages)):
+    grad_P, cot = vjps[j]((cot, jnp.ones_like(losses[j])))
+    leaves, extras_j = reduce_stage(j, staged.stage_params_tree(j, grad_P),
+                                    extras if j == staged.num_stages - 1 else ())
+    if j == staged.num_stages - 1:
+      extras = extras_j
+    cot, _ = jax.lax.optimization_barrier((cot, leaves))
+    grads.update(leaves)
+  loss, new_model_state = extras
+  return loss, new_model_state, grads
+
+
 def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
-                 sharded: bool = False):
+                 sharded: bool = False, staged=None):
   """``one_step(state_in_slots, phase, batch, delays_NxJ) -> (state_in_slots, metrics)``,
   and ``step_of``, the same step that also returns ``theta_t``'s leaves and
   their update (for `_carried_view_body`), with the slots and views it is given.
@@ -472,20 +510,37 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
     if sharded:  # Gathered in the worker: its gradients (and new model state) come out whole.
       view, model_state = jax.tree.map(lambda x: jax.sharding.reshard(x, P()),
                                        (view, model_state))
-    if with_model_state:
-      (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          view, model_state, batch)
-    else:
-      loss, grads = jax.value_and_grad(loss_fn)(view, batch)
-    if r.plan.dc_lambda:  # DC-ASGD: g + lambda g^2 (theta_t - theta_read), per worker.
+    fresh = None
+    if r.plan.dc_lambda:
       fresh = [jax.lax.pcast(x, axis_name, to="varying") for x in ages[0]]
       if sharded:  # Gathered as the view is.
         fresh = [jax.sharding.reshard(x, P()) for x in fresh]
-      grads = jax.tree.unflatten(treedef, [
-          compensation.dc_corrected(g, t, v, r.plan.dc_lambda)
-          for g, t, v in zip(jax.tree.leaves(grads), fresh, jax.tree.leaves(view))])
-    grads, (loss, model_state) = _reduce_by_stage(
-        grads, r.stage_of_leaf, r.num_stages, (loss, model_state), axis_name, r.num_workers)
+      fresh = jax.tree.unflatten(treedef, fresh)
+
+    def reduce(grads, stage_of_leaf, extras, fresh, view):
+      """DC-ASGD's correction, g + lambda g^2 (theta_t - theta_read) per worker, then the
+      mean over workers, one psum per stage (extras in the last stage's)."""
+      if fresh is not None:
+        grads = jax.tree.map(lambda g, t, v: compensation.dc_corrected(g, t, v, r.plan.dc_lambda),
+                             grads, fresh, view)
+      return _reduce_by_stage(grads, stage_of_leaf, r.num_stages, extras, axis_name,
+                              r.num_workers)
+
+    if staged is not None:  # Each stage reduced right after its backward (`_tied_backward`).
+      def reduce_stage(j, grads, extras):  # ``grads``: stage j's units.
+        units = lambda tree: None if tree is None else {u: tree[u] for u in grads}
+        return reduce(grads, [j] * len(jax.tree.leaves(grads)), extras, units(fresh),
+                      units(view))
+      loss, model_state, grads = _tied_backward(staged, view, model_state, batch, reduce_stage)
+      grads = jax.tree.unflatten(treedef, jax.tree.leaves(grads))  # Both in sorted-key order.
+    else:
+      if with_model_state:
+        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            view, model_state, batch)
+      else:
+        loss, grads = jax.value_and_grad(loss_fn)(view, batch)
+      grads, (loss, model_state) = reduce(grads, r.stage_of_leaf, (loss, model_state), fresh,
+                                          view)
     current = jax.tree.unflatten(treedef, ages[0])
     if sharded:
       grads = jax.tree.map(_resharded_like, grads, current)
@@ -641,7 +696,7 @@ def make_train_step(
     loss_fn: Callable, tx: optax.GradientTransformation, *, stage_ids, rule,
     mesh: Mesh, axis_name: str = "data", backend: str = "shard_map",
     with_model_state: bool = False, scan_steps: int | None = None,
-    donate: bool = True) -> TrainStep:
+    donate: bool = True, staged=None) -> TrainStep:
   """Builds the CDP train step over the mesh axis ``axis_name``.
 
   Args:
@@ -667,6 +722,14 @@ def make_train_step(
       batch leaves then have shape ``[K, N * b, ...]`` and metrics gain a
       leading ``K`` axis.
     donate: donate the input state's buffers to the output state.
+    staged: the model of ``loss_fn`` cut into the stages of ``stage_ids``
+      (`cdpjax.executed.staged.StagedModel`, the same loss), or None. Given,
+      a worker's backward runs stage by stage and each stage's gradient is
+      all-reduced right after that stage's backward, which the next waits for
+      (the tied backward, `_tied_backward`): the ``J`` all-reduces stay apart
+      over the backward, where the TPU compiler otherwise merges them into one
+      after it (BENCHMARKS.md, "Gradient all-reduces against the backward").
+      Same numbers; a flax model with dict params, a 1-D mesh.
 
   Returns:
     A ``TrainStep``; ``step(state, batch) -> (state, metrics)`` with metrics
@@ -701,8 +764,11 @@ def make_train_step(
         f"The axes inside a worker {within} must be Explicit (the state's sharding is typed): "
         f"build the mesh with jax.make_mesh(shape, names), or pass "
         "axis_types=(jax.sharding.AxisType.Explicit,) * len(names).")
+  if staged is not None and within:
+    raise ValueError("A tied backward (staged=) runs on a 1-D mesh of workers: use "
+                     "devices_per_worker=1, or the engine's own backward.")
   one_step, step_of = _one_step_fn(loss_fn, tx, r, axis_name, with_model_state,
-                                    sharded=bool(within))
+                                    sharded=bool(within), staged=staged)
   carried = _carried_leaves(r, scan_steps, within, backend)
   if any(carried):
     body = _carried_view_body(step_of, r, axis_name, scan_steps, carried)

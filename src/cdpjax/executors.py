@@ -21,11 +21,15 @@ from cdpjax.executed import pipeline, plan as plan_lib, staged as staged_lib, ze
 
 def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule, mesh,
                     loss_fn: Callable, with_model_state: bool, backend: str = "shard_map",
-                    scan_steps: int | None = None, **_) -> executor_lib.Executor:
+                    scan_steps: int | None = None, tied_backward: bool = False, params=None,
+                    model_state=None, sample_input=None, **_) -> executor_lib.Executor:
   """The update-rule engine (``cdpjax.engine``) behind the executor contract.
 
   ``loss_fn(outputs, labels)`` is applied to ``model.apply(variables, image,
   train=True)``; with model state, new states are averaged over workers.
+  ``tied_backward``: the backward runs stage by stage, each stage's gradient
+  all-reduced right after it (``engine.make_train_step(staged=)``; needs
+  ``params``, ``model_state`` and ``sample_input`` to cut the model).
   """
   if with_model_state:
     def worker_loss(p, state, batch):
@@ -38,9 +42,11 @@ def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule,
 
   num_workers = int(mesh.shape["data"]) if "data" in mesh.axis_names else 0
   plan = executor_lib.resolve(rule, "data", num_workers, engine.num_stages_of(stage_ids))
+  staged = (_staged(model, params, model_state, stage_ids, sample_input, loss_fn)
+            if tied_backward else None)
   train_step = engine.make_train_step(worker_loss, tx, stage_ids=stage_ids, rule=plan, mesh=mesh,
                                       backend=backend, with_model_state=with_model_state,
-                                      scan_steps=scan_steps)
+                                      scan_steps=scan_steps, staged=staged)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   def init(params, model_state=None):
@@ -85,7 +91,8 @@ EXECUTORS = {"data": engine_executor, "model": pipeline_executor, "zero": zero_e
 
 def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, model_state,
           stage_ids, sample_input, rule, mesh, loss_fn: Callable,
-          backend: str = "shard_map", scan_steps: int | None = None) -> executor_lib.Executor:
+          backend: str = "shard_map", scan_steps: int | None = None,
+          tied_backward: bool = False) -> executor_lib.Executor:
   """The executor of ``parallelism`` for a flax ``model`` cut into stages by ``stage_ids``.
 
   Args:
@@ -106,14 +113,20 @@ def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, 
     backend: the engine's backend (``shard_map`` or ``pmap``).
     scan_steps: ``K``: one ``step`` call runs ``K`` steps (see the module
       docstring); None: one step, batch and metrics without the ``[K]`` axis.
+    tied_backward: ``data`` only: each stage's gradient all-reduced right after
+      its backward, the ``J`` all-reduces kept apart (`engine_executor`).
   """
   if parallelism not in EXECUTORS:
     raise ValueError(f"Unknown parallelism {parallelism!r}: use one of "
                      f"{executor_lib.PARALLELISMS}.")
+  if tied_backward and parallelism != "data":
+    raise ValueError(f"A tied backward is the engine's (parallelism='data'); parallelism="
+                     f"{parallelism!r} already reduces each stage where it runs.")
   return EXECUTORS[parallelism](
       model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
       sample_input=sample_input, rule=rule, mesh=mesh, loss_fn=loss_fn, backend=backend,
-      with_model_state=model_state is not None, scan_steps=scan_steps)
+      with_model_state=model_state is not None, scan_steps=scan_steps,
+      tied_backward=tied_backward)
 
 
 def idle_fraction(plan: executor_lib.RulePlan, num_steps: int) -> float:

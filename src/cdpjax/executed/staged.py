@@ -148,13 +148,38 @@ class StagedModel:
     """
     as_array = (lambda x: x) if _traced((params_JxP, state_JxM)) else np.asarray
     params_JxP = as_array(params_JxP)
-    params, state = {}, {c: {} for c in self.collections}
-    for j, units in enumerate(self.units):
-      params.update(self._param_layouts[j].unpack(params_JxP[j]))
-      if self.state_size and state_JxM is not None:
-        for c, tree in self._state_layouts[j].unpack(as_array(state_JxM)[j]).items():
-          state[c].update(tree)
+    params = {}
+    for j in range(self.num_stages):
+      params.update(self.stage_params_tree(j, params_JxP[j]))
+    state = ({c: {} for c in self.collections} if state_JxM is None
+             else self.model_state_tree(as_array(state_JxM)))
     return {"params": params, **state}
+
+  # -- One stage's buffers, traced (the engine's tied backward). ----------------
+
+  def stage_params_flat(self, stage: int, params):
+    """Stage ``stage``'s leaves of the ``params`` tree as one flat vector, unpadded."""
+    layout = self._param_layouts[stage]
+    return layout.pack({u: params[u] for u in self.units[stage]}, layout.size)
+
+  def stage_params_tree(self, stage: int, flat) -> dict:
+    """``{unit: tree}`` of stage ``stage`` from its flat vector (padded or not)."""
+    return self._param_layouts[stage].unpack(flat)
+
+  def stage_state_flat(self, stage: int, model_state):
+    """Stage ``stage``'s model state as a flat vector of ``M`` (zeros of none)."""
+    if model_state is None:
+      return jnp.zeros((self.state_size,), jnp.float32)
+    return self._state_layouts[stage].pack(self._stage_state(model_state, self.units[stage]),
+                                           self.state_size)
+
+  def model_state_tree(self, states_JxM) -> dict:
+    """The model-state collections of the stages' flat states (rows in stage order)."""
+    state = {c: {} for c in self.collections}
+    for j in range(self.num_stages if self.state_size else 0):
+      for c, tree in self._state_layouts[j].unpack(states_JxM[j]).items():
+        state[c].update(tree)
+    return state
 
   def _stage_state(self, model_state, units) -> dict:
     return {c: {u: model_state[c][u] for u in units if u in model_state[c]}
