@@ -62,10 +62,9 @@ def buffer_assignment(dump_dir: str) -> dict:
   disjoint byte ranges of that heap holding values of at least 2% of it
   (``{"offset", "bytes", "values"}``, a few value names and shapes each): the
   large temporaries the program needs at some point together, as the compiler
-  placed them. ``temp_arrays`` sums the heap's array slots (the largest array
-  at each offset); the rest of the heap is tuple tables (``temp_tuple_tables``
-  of them: the TPU compiler gives each a 16 KiB slot, which dominates small
-  programs' heaps) and alignment.
+  placed them. ``temp_arrays``: the bytes of the heap that arrays cover; the
+  rest is tuple tables (``temp_tuple_tables`` of them: the TPU compiler gives
+  each a 16 KiB slot, which dominates small programs' heaps) and alignment.
   """
   import glob  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
@@ -98,9 +97,10 @@ def buffer_assignment(dump_dir: str) -> dict:
           tuples.add(int(o))
         else:
           heap.append((int(o), int(n), f"{name} {shape}"))
-  arrays = {}
-  for offset, size, _ in heap:
-    arrays[offset] = max(arrays.get(offset, 0), size)
+  arrays, end = 0, 0  # The bytes of the heap that arrays cover (the union of their ranges).
+  for offset, size, _ in sorted(heap):
+    arrays += max(0, offset + size - max(offset, end))
+    end = max(end, offset + size)
   ranges = []
   for offset, size, value in sorted(v for v in heap if v[1] >= 0.02 * by_kind.get("temp", 0)):
     if ranges and offset < ranges[-1]["offset"] + ranges[-1]["bytes"]:  # Overlaps: merge.
@@ -111,7 +111,7 @@ def buffer_assignment(dump_dir: str) -> dict:
     else:
       ranges.append({"offset": offset, "bytes": size, "values": [value]})
   return {"spaces": spaces, "default_by_kind": by_kind, "temp_ranges": ranges,
-          "temp_arrays": sum(arrays.values()), "temp_tuple_tables": len(tuples)}
+          "temp_arrays": arrays, "temp_tuple_tables": len(tuples)}
 
 
 def memory(compiled) -> dict[str, int]:
