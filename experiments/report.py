@@ -324,7 +324,10 @@ def accuracy_lm_rows(data: dict) -> list[Row]:
 
 def lm_sweep_rows(data: dict) -> list[Row]:
   """Each rule at its best tuned point against dp's; cdp-v2 should come within 1% (issue 35)."""
-  rows = [_info("runs finished", f"{data['finished_runs']} of {data['planned_runs']}")]
+  done, planned = data["finished_runs"], data["planned_runs"]
+  rows = [_info("runs finished", f"{done} of {planned}" if done <= planned else
+                f"{done}: the {planned} planned and {done - planned} seeds at a grid point that "
+                "was the best until later points came in")]
   for task, table in data["tasks"].items():
     lower_is_better = table["metric"] != "final_accuracy"
     for optimizer, rules in table["optimizers"].items():
