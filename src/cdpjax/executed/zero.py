@@ -281,11 +281,10 @@ def _read(carry: _Carry, version, delay, predict: bool):
       theta, _version(carry.versions_V, (carry.head + version + 1) % num_versions), delay)
 
 
-def _update(ring: Ring, tx, rule: executor_lib.RulePlan, carry: _Carry, step,
+def _update(ring: Ring, tx, rule: executor_lib.RulePlan, acc, carry: _Carry, step,
             first_step) -> _Carry:
-  """The owner's optimizer step on its stage, with its messages' sum (and the replicas'), of the
-  call's step ``step`` (the run's ``first_step + step``)."""
-  acc = carry.acc_Q
+  """The owner's optimizer step on its stage, with its messages' sum ``acc`` (and the
+  replicas'), of the call's step ``step`` (the run's ``first_step + step``)."""
   if ring.num_replicas > 1:
     acc = jax.lax.psum(acc, REPLICA)  # The one all-reduce of this stage and step.
   params = _version(carry.versions_V, carry.head)
@@ -307,7 +306,7 @@ def _update(ring: Ring, tx, rule: executor_lib.RulePlan, carry: _Carry, step,
   return carry._replace(
       versions_V=tuple(jnp.where(head == k, params, v) for k, v in enumerate(carry.versions_V)),
       head=head,
-      opt_state=ring.vary(opt_state, state=True), acc_Q=jnp.zeros_like(carry.acc_Q),
+      opt_state=ring.vary(opt_state, state=True),
       model_state_M=ring.vary(acc[ring.size_p:][:ring.size_m] / ring.num_replicas, state=True),
       stats_3xK=stats)
 
@@ -371,9 +370,11 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
 
   def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB, first_step):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
+    # The sum is an operand, not a result: a result passed through is copied. The update's
+    # slot receives no gradient; the sum restarts there.
     c = jax.lax.cond(ev["update"] == 1,
-                     lambda c: _update(ring, tx, rule, c, ev["update_step"], first_step),
-                     lambda c: c, c)
+                     lambda acc, c: _update(ring, tx, rule, acc, c, ev["update_step"], first_step),
+                     lambda acc, c: c, c.acc_Q, c._replace(acc_Q=None))._replace(acc_Q=c.acc_Q)
     # The owner reads the version this slot's user of its stage needs: sent, or its own.
     served = ring.vary(_read(c, ev["serve_version"], ev["serve_delay"], rule.predict))
     param_in = ring.route(("param", "owner"), slot, None, lambda *m: jnp.concatenate(m),
@@ -390,7 +391,7 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
         ev["kind"], branches, (c, ev, buf, state, me, x, labels))
     # A backward's gradient goes to the owner (zeros elsewhere); the owner's own is added here.
     grads_in = ring.route(("grad", "owner"), slot, None, lambda g: g, grads)
-    acc = c.acc_Q + grads_in + jnp.where(local, grads, 0.0)
+    acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q) + grads_in + jnp.where(local, grads, 0.0)
     return c._replace(
         acc_Q=acc, state_2x2M=c.state_2x2M.at[slot % 2].set(msg), h_A=h, cot_A=cot,
         stash_JxA=stash, stash_JxM=stash_m, next_JxM=next_m,
