@@ -12,7 +12,10 @@ per-chip peak memory and collective bytes per step next to the cost model's
 
 Strategies: DP, CDP-v1 and CDP-v2 on the engine (one worker per chip: ``N``
 = the topology's chips), GPipe and CDP+MP (the executed pipeline), ZeRO-3 and
-CDP+ZeRO (``N = J = 4`` chips per ring). The executed timetables fill the pod
+CDP+ZeRO (``N = J = 4`` chips per ring); GPipe and CDP+MP again with
+activations kept from the forward (``-kept``: ``keep_activations``, where
+the default recomputes each stage's forward in its backward). The executed
+timetables fill the pod
 with ``R = chips / J`` replicas of one pipeline or ring (the launcher's
 ``(replica, stage)`` and ``(replica, data)`` meshes, ``num_replicas``), as a
 pod run would.
@@ -44,7 +47,14 @@ STRATEGIES = {  # The cost model's name: (rule, parallelism).
     "dp": ("dp", "data"), "cdp-v1": ("cdp-v1", "data"), "cdp-v2": ("cdp-v2", "data"),
     "gpipe": ("dp", "model"), "cdp+mp": ("cdp-v2", "model"),
     "zero-3": ("dp", "zero"), "cdp+zero": ("cdp-v2", "zero"),
+    "gpipe-kept": ("dp", "model"), "cdp+mp-kept": ("cdp-v2", "model"),
 }
+KEPT = "-kept"  # A strategy with activations kept (the cost model's own assumption).
+
+
+def base(strategy: str) -> str:
+  """The cost model's name of ``strategy``: kept activations are what it counts."""
+  return strategy.removesuffix(KEPT)
 TRANSFORMER_1B = dict(num_layers=20, d_model=2048, num_heads=16, d_ff=8192, seq_len=1024)
 PLANS = {
     "full": [
@@ -74,6 +84,7 @@ def point_config(path, overrides, model_kwargs, strategy, chips, num_stages):
     c.num_replicas = 1 if parallelism == "data" else chips // num_stages
     c.eval_batch_size = chips
     c.grad_clip_norm = 0.0  # The executed timetables do not clip; the same optimizer for all.
+    c.keep_activations = strategy.endswith(KEPT)
     c.model_kwargs.update(model_kwargs)
   return c
 
@@ -176,6 +187,7 @@ def executed_permutes(strategy: str, c) -> int:
   from cdpjax import schedule  # pylint: disable=g-import-not-at-top
   from cdpjax.executed import plan as plan_lib  # pylint: disable=g-import-not-at-top
   J, N = c.num_stages, c.num_workers
+  strategy = base(strategy)
   if strategy == "gpipe":
     return 2 * (N + J - 1) if J > 1 else 0
   if strategy == "cdp+mp":
@@ -245,7 +257,8 @@ def predicted(strategy: str, c, w=None) -> dict:
   from cdpjax import analysis  # pylint: disable=g-import-not-at-top
   executed = STRATEGIES[strategy][1] != "data"
   w = w or workload(c, executed=executed, pad_to=stage_pad(strategy, c))
-  cost = analysis.cost(strategy, c.num_workers, w, replicas=c.num_replicas if executed else 1)
+  cost = analysis.cost(base(strategy), c.num_workers, w,
+                       replicas=c.num_replicas if executed else 1)
   m = cost.per_device
   return {"peak_bytes": m.peak, "params_bytes": m.params, "grads_bytes": m.grads,
           "optimizer_bytes": m.optimizer, "buffers_bytes": m.buffers,

@@ -108,15 +108,15 @@ def test_dataset_shapes_match_the_datasets():
   assert aot.IMAGE_DATASETS["digits"] == (digits.Digits.num_classes, digits.Digits.image_shape)
 
 
-def test_tied_stagewise_backward_keeps_the_all_reduces_apart_on_tpu():
-  """bench_overlap's scheduling dependency on the TPU compiler: J all-reduces between the
-  stages' backwards, where the same backward without it gets them combined into one, last."""
+def test_tied_backward_keeps_the_all_reduces_apart_on_tpu():
+  """The engine's tied backward on the TPU compiler (bench_overlap): J all-reduces between the
+  stages' backwards, where the engine's own backward gets them combined into one, last."""
   sys.path.insert(0, os.path.join(REPO, "experiments"))
   import bench_overlap  # pylint: disable=g-import-not-at-top
   aot.topology_devices(bench_overlap.TPU_TOPOLOGY)  # Quiets libtpu before the mesh.
   mesh = bench_overlap.tpu_mesh()
-  free = bench_overlap.measure(bench_overlap.lowered_stagewise_step(mesh, 64, 8, tied=False), None)
-  tied = bench_overlap.measure(bench_overlap.lowered_stagewise_step(mesh, 64, 8, tied=True), None)
+  free = bench_overlap.measure(bench_overlap.lowered_step(mesh, "dp", 64, 8), None)
+  tied = bench_overlap.measure(bench_overlap.lowered_step(mesh, "dp", 64, 8, tied=True), None)
   assert free["compiled_all_reduces"] == 1 and free["compute_after"] == [0]
   assert tied["compiled_all_reduces"] == bench_overlap.NUM_STAGES
   after = tied["compute_after"]

@@ -43,7 +43,7 @@ def load_config(arg, **overrides):
   return config_lib.load(str(ROOT / "configs" / "digits.py"), arg, **overrides)
 
 
-def smoke_config(model, parallelism, rule, size=2, compensated=False, tied=False):
+def smoke_config(model, parallelism, rule, size=2, compensated=False, tied=False, kept=False):
   """A 3-step smoke run with N = J = ``size``, SGD with momentum and weight decay (the
   transformer: AdamW, whose decay of matrices only the executed modes once dropped).
 
@@ -55,7 +55,7 @@ def smoke_config(model, parallelism, rule, size=2, compensated=False, tied=False
                 eval_every_steps=NUM_STEPS, checkpoint_every_steps=NUM_STEPS,
                 optimizer="sgd", momentum=0.9, weight_decay=5e-4, lr_schedule="constant",
                 warmup_steps=0, warmup_epochs=0.0, grad_clip_norm=0.0,
-                learning_rate=LEARNING_RATE[model], tied_backward=tied,
+                learning_rate=LEARNING_RATE[model], tied_backward=tied, keep_activations=kept,
                 **(COMPENSATIONS if compensated else {}))
   if model == "transformer":  # The LM's AdamW, which decays its matrices only.
     common.update(optimizer="adamw", weight_decay=0.1)
@@ -70,12 +70,13 @@ def smoke_config(model, parallelism, rule, size=2, compensated=False, tied=False
 
 
 @functools.cache
-def launch(model, parallelism, rule, size, workdir_root, compensated=False, tied=False):
+def launch(model, parallelism, rule, size, workdir_root, compensated=False, tied=False,
+           kept=False):
   """Per-step logged metrics, the summary and the final variables of a smoke run."""
   workdir = os.path.join(workdir_root, f"{model}-{parallelism}-{rule}-{size}"
-                         f"{'-compensated' * compensated}{'-tied' * tied}")
+                         f"{'-compensated' * compensated}{'-tied' * tied}{'-kept' * kept}")
   summary = train.train_and_evaluate(
-      smoke_config(model, parallelism, rule, size, compensated, tied), workdir)
+      smoke_config(model, parallelism, rule, size, compensated, tied, kept), workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   return {r["step"]: r for r in rows if "train/loss" in r}, summary, train.exported(workdir)
@@ -162,6 +163,16 @@ def test_tied_backward_runs_the_engines_run(model, workdir_root):
   """``--config.tied_backward=True``: the engine's run, step by step and leaf by leaf (the
   ResNet's BatchNorm statistics; the transformer's qkv bias as in `check_against_the_engine`)."""
   got = launch(model, "data", "cdp-v2", 2, workdir_root, tied=True)
+  want = launch(model, "data", "cdp-v2", 2, workdir_root)
+  assert_same_metrics(got[0], want[0])
+  assert_same_final(got, want, looser={"attn/qkv/bias": 1e-3})
+
+
+@pytest.mark.parametrize("model", ["resnet18", "transformer"])
+def test_kept_activations_run_the_engines_run(model, workdir_root):
+  """``--config.keep_activations=True`` under ``parallelism=model``: the engine's run (the
+  leaves as `check_against_the_engine` allows)."""
+  got = launch(model, "model", "cdp-v2", 2, workdir_root, kept=True)
   want = launch(model, "data", "cdp-v2", 2, workdir_root)
   assert_same_metrics(got[0], want[0])
   assert_same_final(got, want, looser={"attn/qkv/bias": 1e-3})

@@ -27,7 +27,7 @@ REPLICAS = 2  # Of the pipeline on a (replica, stage) mesh.
 
 @functools.cache
 def executor_of(name, rule, num_stages, timetable=None, scan_steps=STEPS_PER_CALL, replicas=1,
-                compensated=False):
+                compensated=False, keep=False):
   if compensated:
     rule = executor.resolve(rule, "model", num_stages, num_stages, timetable,
                             **ref.COMPENSATIONS)
@@ -38,7 +38,8 @@ def executor_of(name, rule, num_stages, timetable=None, scan_steps=STEPS_PER_CAL
   else:
     mesh = jax.make_mesh((num_stages,), ("stage",))
   return pipeline.make_executor(ref.staged_of(name, num_stages), ref.make_tx(name), rule=rule,
-                                  mesh=mesh, timetable=timetable, scan_steps=scan_steps)
+                                  mesh=mesh, timetable=timetable, scan_steps=scan_steps,
+                                  keep_activations=keep)
 
 
 def initial_state(ex, name, num_stages):
@@ -47,9 +48,11 @@ def initial_state(ex, name, num_stages):
 
 
 @functools.cache
-def pipeline_run(name, rule, num_stages, timetable=None, replicas=1, compensated=False):
+def pipeline_run(name, rule, num_stages, timetable=None, replicas=1, compensated=False,
+                 keep=False):
   """Per-step metrics and final variables over NUM_STEPS steps, STEPS_PER_CALL per call."""
-  ex = executor_of(name, rule, num_stages, timetable, replicas=replicas, compensated=compensated)
+  ex = executor_of(name, rule, num_stages, timetable, replicas=replicas, compensated=compensated,
+                   keep=keep)
   state = initial_state(ex, name, num_stages)
   data, metrics = ref.batches(name, replicas * num_stages), []
   for c in range(ref.NUM_STEPS // STEPS_PER_CALL):
@@ -83,6 +86,16 @@ def test_delay_compensations_match_the_engine(rule, timetable, replicas):
   moved = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b)) / np.max(np.abs(b))), variables,
                        plain)
   assert min(jax.tree.leaves(moved)) > 1e-3, moved
+
+
+@pytest.mark.parametrize("name, rule, timetable, compensated", [
+    ("residual_mlp", "cdp-v2", None, True), ("resnet18", "cdp-v1", None, False),
+    ("residual_mlp", "dp", "gpipe", False)])
+def test_kept_activations_match_the_engine(name, rule, timetable, compensated):
+  """Activations kept from the forward instead of recomputed: the engine's numbers (ResNet-18:
+  BatchNorm; with the compensations: the kept activations are the predicted read's)."""
+  metrics, variables, _ = pipeline_run(name, rule, 4, timetable, 1, compensated, keep=True)
+  ref.assert_matches_engine(metrics, variables, name, rule, 4, compensated=compensated)
 
 
 def test_dp_plus_mp_matches_engine_dp():

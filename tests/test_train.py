@@ -315,6 +315,8 @@ class TestBadMeshKeys:
        r"tied_backward=True ties the engine's.*parallelism='data'"),
       ("", dict(tied_backward=True, devices_per_worker=2),
        r"tied_backward=True .*devices_per_worker=1"),
+      ("parallelism=zero", dict(keep_activations=True),
+       r"keep_activations=True .*parallelism='model'"),
   ])
   def test_refused_with_the_fix(self, arg, overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -89,6 +89,10 @@ def base_config() -> ml_collections.ConfigDict:
   # all-reduces stay apart over the backward (the TPU compiler merges them otherwise).
   # Same numbers and state; needs a model the executed schedules can cut into stages.
   c.tied_backward = False
+  # parallelism=model: a forward keeps the activations its backward needs, which then
+  # recomputes nothing of them (every stage but the first, whose input is the batch);
+  # the default stashes each stage's input and recomputes its forward. Same numbers.
+  c.keep_activations = False
 
   c.per_worker_batch_size = 16
   c.eval_batch_size = 128
@@ -159,7 +163,7 @@ def shrink_for_smoke(c: ml_collections.ConfigDict, num_train_steps: int) -> None
 RENAMED_KEYS = {"stage_strategy": "stages_by"}
 # Keys added since, with the value a checkpoint that lacks them ran with.
 ADDED_KEYS = {"num_replicas": 1, "devices_per_worker": 1, "resume_step": -1,
-              "tied_backward": False}
+              "tied_backward": False, "keep_activations": False}
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -228,6 +232,11 @@ def _validate_mesh(c: ml_collections.ConfigDict) -> None:
         "--config.tied_backward=True ties the engine's per-stage all-reduces into its backward "
         "on a 1-D mesh: use parallelism='data' with devices_per_worker=1, or "
         "--config.tied_backward=False (the executed schedules reduce each stage where it runs).")
+  if c.keep_activations and c.parallelism != "model":
+    raise ValueError(
+        "--config.keep_activations=True keeps the executed pipeline's activations "
+        "(parallelism='model'); the engine keeps them already and CDP+ZeRO recomputes: use "
+        "parallelism='model' or --config.keep_activations=False.")
   if c.devices_per_worker != 1 and c.parallelism != "data":
     raise ValueError(
         f"--config.devices_per_worker={c.devices_per_worker} shards the engine's state inside a "

@@ -68,10 +68,11 @@ def _staged(model, params, model_state, stage_ids, sample_input, loss_fn, pad_to
 
 def pipeline_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
                       loss_fn: Callable, scan_steps: int | None = None,
-                      **_) -> executor_lib.Executor:
+                      keep_activations: bool = False, **_) -> executor_lib.Executor:
   """The executed pipeline (``cdpjax.executed.pipeline``) of ``model`` cut at ``stage_ids``."""
   staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn)
-  return pipeline.make_executor(staged, tx, rule=rule, mesh=mesh, scan_steps=scan_steps)
+  return pipeline.make_executor(staged, tx, rule=rule, mesh=mesh, scan_steps=scan_steps,
+                                keep_activations=keep_activations)
 
 
 def zero_executor(model, tx, *, params, model_state, stage_ids, sample_input, rule, mesh,
@@ -92,7 +93,7 @@ EXECUTORS = {"data": engine_executor, "model": pipeline_executor, "zero": zero_e
 def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, model_state,
           stage_ids, sample_input, rule, mesh, loss_fn: Callable,
           backend: str = "shard_map", scan_steps: int | None = None,
-          tied_backward: bool = False) -> executor_lib.Executor:
+          tied_backward: bool = False, keep_activations: bool = False) -> executor_lib.Executor:
   """The executor of ``parallelism`` for a flax ``model`` cut into stages by ``stage_ids``.
 
   Args:
@@ -115,10 +116,15 @@ def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, 
       docstring); None: one step, batch and metrics without the ``[K]`` axis.
     tied_backward: ``data`` only: each stage's gradient all-reduced right after
       its backward, the ``J`` all-reduces kept apart (`engine_executor`).
+    keep_activations: ``model`` only: forwards keep the activations their backward
+      needs instead of its recomputing them (`cdpjax.executed.pipeline`).
   """
   if parallelism not in EXECUTORS:
     raise ValueError(f"Unknown parallelism {parallelism!r}: use one of "
                      f"{executor_lib.PARALLELISMS}.")
+  if keep_activations and parallelism != "model":
+    raise ValueError(f"Kept activations are the executed pipeline's (parallelism='model'), not "
+                     f"parallelism={parallelism!r}'s.")
   if tied_backward and parallelism != "data":
     raise ValueError(f"A tied backward is the engine's (parallelism='data'); parallelism="
                      f"{parallelism!r} already reduces each stage where it runs.")
@@ -126,7 +132,7 @@ def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, 
       model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
       sample_input=sample_input, rule=rule, mesh=mesh, loss_fn=loss_fn, backend=backend,
       with_model_state=model_state is not None, scan_steps=scan_steps,
-      tied_backward=tied_backward)
+      tied_backward=tied_backward, keep_activations=keep_activations)
 
 
 def idle_fraction(plan: executor_lib.RulePlan, num_steps: int) -> float:

@@ -9,7 +9,13 @@ Each device runs one event per slot, from `plan`: idle, a stage forward or a
 stage backward. Activations move ``j -> j+1`` and cotangents ``j -> j-1`` by
 ``lax.ppermute``. A stage stashes only its input; its backward recomputes the
 stage forward with ``jax.vjp`` at the version its forward read, and adds the
-weight gradient to a running accumulator that never leaves the device.
+weight gradient to a running accumulator that never leaves the device. With
+``keep_activations``, a forward of every stage but the first stashes instead
+what its backward needs of the activations (`StagedModel.apply_keeping`;
+what depends on the parameters alone is recomputed), and the backward
+recomputes nothing of them; the first stage recomputes (its input is the
+batch, kept anyway). The stash holds ``J-1`` micro-batches on the cyclic
+timetable (stage ``j`` needs ``J-j`` at once, the first none), ``N`` on GPipe.
 
 Timetables (``N`` micro-batches of ``b`` rows per step, ``K`` steps per call):
 
@@ -245,19 +251,21 @@ class _Slot(NamedTuple):
   model_state_M: Any
   acc_P: Any         # This step's weight-gradient sum.
   new_state_M: Any   # This step's sum of new model states.
-  stash_SxA: Any     # Stage inputs awaiting their backward.
+  stash_SW: Any      # What forwards kept for their backward, S entries of W, flat (a TPU
+                     # pads an [S, W] array's rows to a multiple of 4: 3 entries cost 4): the
+                     # stage input (W = A), or with keep_activations what the backward needs.
   recv_A: Any
   loss_K: Any
   grad_sq_K: Any
   param_sq_K: Any
 
 
-def _branches(staged: StagedModel, axes, plan: executor_lib.RulePlan):
+def _branches(staged: StagedModel, axes, plan: executor_lib.RulePlan, keep: bool):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
   Operands ``(carry, event, stage, stashed, x, labels)``; results ``(send,
-  grads, new_state, loss)``, what the event computes (zeros where it computes
-  nothing). The version is read inside the branch that uses it, and no state
+  grads, new_state, loss, kept)``, what the event computes (zeros where it
+  computes nothing; ``kept``: what a forward stashes, ``stashed`` elsewhere). The version is read inside the branch that uses it, and no state
   (versions, stash, accumulators) is a branch result, so no branch copies one.
   The plan's weight prediction and DC-ASGD correction act there (`compensation`).
   """
@@ -283,27 +291,40 @@ def _branches(staged: StagedModel, axes, plan: executor_lib.RulePlan):
   def finish(*results):
     return _vary(results, axes)
 
+  kept = lambda j: keep and j > 0  # The first stage recomputes (its input is the batch).
+
   def idle(ops):
-    carry = ops[0]
+    carry, stashed = ops[0], ops[3]
     return finish(jnp.zeros_like(carry.recv_A), jnp.zeros_like(carry.acc_P),
-                  jnp.zeros_like(carry.new_state_M), jnp.zeros((), jnp.float32))
+                  jnp.zeros_like(carry.new_state_M), jnp.zeros((), jnp.float32), stashed)
 
   def forward(ops):
-    carry, event, stage, _, x, labels = ops
-    h, loss, new_state = in_stage(lambda j, theta, _, *ops: staged.apply(j, theta, *ops), carry,
-                                  event, stage, carry.model_state_M, carry.recv_A, x, labels)
-    return finish(h, jnp.zeros_like(carry.acc_P), new_state, loss)
+    carry, event, stage, stashed, x, labels = ops
+
+    def apply(j, theta, _, state, h, x, labels):
+      if kept(j):
+        return staged.apply_keeping(j, theta, state, h, x, labels, stashed.shape[0])
+      h_out, loss, new_state = staged.apply(j, theta, state, h, x, labels)
+      return h_out, loss, new_state, h if not keep else jnp.zeros_like(stashed)
+    h, loss, new_state, row = in_stage(apply, carry, event, stage, carry.model_state_M,
+                                       carry.recv_A, x, labels)
+    return finish(h, jnp.zeros_like(carry.acc_P), new_state, loss, row)
 
   def backward(ops):
     carry, event, stage, stashed, x, labels = ops
-    def vjp(j, theta, theta_t, *ops):
-      grads, send = staged.vjp(j, theta, *ops)
+    def vjp(j, theta, theta_t, state, stashed, x, labels, cot):
+      if kept(j):
+        grads, send = staged.vjp_kept(j, theta, state, x, labels, stashed, cot)
+      else:
+        h = jnp.zeros_like(cot) if keep else stashed
+        grads, send = staged.vjp(j, theta, state, h, x, labels, cot)
       if plan.dc_lambda:  # Against theta_t: the stage updates after the step's backwards.
         grads = compensation.dc_corrected(grads, theta_t(), theta, plan.dc_lambda)
       return grads, send
     grads, send = in_stage(vjp, carry, event, stage, carry.model_state_M, stashed, x, labels,
                            carry.recv_A)
-    return finish(send, grads, jnp.zeros_like(carry.new_state_M), jnp.zeros((), jnp.float32))
+    return finish(send, grads, jnp.zeros_like(carry.new_state_M), jnp.zeros((), jnp.float32),
+                  stashed)
 
   return [idle, forward, backward]
 
@@ -350,10 +371,13 @@ class _Timetable(NamedTuple):
     return shifts, lambda slot: slot % self.per_step < self.per_step // 2
 
 
-def _make_body(staged: StagedModel, tx, plan: executor_lib.RulePlan, tt: _Timetable):
+def _make_body(staged: StagedModel, tx, plan: executor_lib.RulePlan, tt: _Timetable,
+               keep: bool):
   """The per-device ``K``-step body for ``shard_map``."""
   delays = plan.delays
-  branches = _branches(staged, tt.axes, plan)
+  branches = _branches(staged, tt.axes, plan, keep)
+  # Micro-batches in flight at once: J - j at stage j (the first recomputes from the batch).
+  stash_size = max(tt.num_stages - 1, 1) if tt.name == "cyclic" else tt.per_replica
   permutes, first_permute = tt.permutes()
   stateful = staged.state_size > 0
 
@@ -393,16 +417,16 @@ def _make_body(staged: StagedModel, tx, plan: executor_lib.RulePlan, tt: _Timeta
   def slot_body(carry: _Slot, slot, x_KxMx, labels_KxMxb, first_step):
     event = tt.event(slot, delays)
     stage = jax.lax.axis_index(STAGE_AXIS)
-    stashed = carry.stash_SxA[event.stash]
-    send, grads, new_state, loss = jax.lax.switch(
+    width = carry.stash_SW.shape[0] // stash_size
+    stashed = staged_block(carry.stash_SW, event.stash, width)
+    send, grads, new_state, loss, row = jax.lax.switch(
         event.kind, branches, (carry, event, stage, stashed, x_KxMx[event.step, event.micro],
                                labels_KxMxb[event.step, event.micro]))
-    # In place: a forward stashes its input, a backward adds its weight gradient (the
+    # In place: a forward stashes what it kept, a backward adds its weight gradient (the
     # step's first backward restarts the sum, so the update need not zero it).
-    stash = carry.stash_SxA.at[event.stash].set(
-        jnp.where(event.kind == FWD, carry.recv_A, stashed))
+    stash = staged_set_block(carry.stash_SW, event.stash, width, row)
     first = (event.kind == BWD) & (event.micro == 0)
-    carry = carry._replace(stash_SxA=stash, acc_P=jnp.where(first, 0.0, carry.acc_P) + grads,
+    carry = carry._replace(stash_SW=stash, acc_P=jnp.where(first, 0.0, carry.acc_P) + grads,
                            new_state_M=carry.new_state_M + new_state,
                            loss_K=carry.loss_K.at[event.step].add(loss))
     if stateful and tt.name == "cyclic":
@@ -439,7 +463,6 @@ def _make_body(staged: StagedModel, tx, plan: executor_lib.RulePlan, tt: _Timeta
     x_KxMx = x.reshape((tt.num_steps, tt.per_replica, -1) + x.shape[2:])
     labels_KxMxb = labels.reshape(x_KxMx.shape[:3] + labels.shape[2:])  # [..., L] for text.
     act = staged.act_size(jax.ShapeDtypeStruct(x_KxMx.shape[2:], x.dtype))
-    stash_size = max(tt.num_stages - 1, 1) if tt.name == "cyclic" else tt.per_replica
     zeros_K = jnp.zeros((tt.num_steps,), jnp.float32)
     model_state = (jnp.zeros((0,), jnp.float32) if state.model_state is None
                    else local(state.model_state))
@@ -448,10 +471,16 @@ def _make_body(staged: StagedModel, tx, plan: executor_lib.RulePlan, tt: _Timeta
         opt_state=local(state.opt_state), model_state_M=model_state,
         acc_P=_vary(jnp.zeros((staged.param_size,), jnp.float32), tt.axes),
         new_state_M=_vary(jnp.zeros_like(model_state), tt.axes),
-        stash_SxA=_vary(jnp.zeros((stash_size, act), jnp.float32), tt.axes),
+        stash_SW=None,
         recv_A=_vary(jnp.zeros((act,), jnp.float32), tt.axes),
         loss_K=_vary(zeros_K, tt.axes), grad_sq_K=_vary(zeros_K, tt.axes),
         param_sq_K=_vary(zeros_K, tt.axes))
+    width = act
+    if keep:  # What a forward keeps, for operands typed as the stage branches get them.
+      theta = _vary(jnp.zeros((staged.param_size,), jnp.float32), tt.axes)
+      width = staged.kept_size(theta, carry.model_state_M, carry.recv_A, x_KxMx[0, 0],
+                               labels_KxMxb[0, 0])
+    carry = carry._replace(stash_SW=_vary(jnp.zeros((stash_size * width,), jnp.float32), tt.axes))
     carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, x_KxMx, labels_KxMxb, state.step), carry,
                             jnp.arange(tt.num_slots))
     glob = lambda tree: jax.tree.map(lambda a: a[None], tree)
@@ -466,7 +495,7 @@ def _make_body(staged: StagedModel, tx, plan: executor_lib.RulePlan, tt: _Timeta
 
 def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule, mesh: Mesh,
                     timetable: str | None = None, scan_steps: int | None = None,
-                    num_micro_batches: int | None = None,
+                    num_micro_batches: int | None = None, keep_activations: bool = False,
                     donate: bool = True) -> executor_lib.Executor:
   """The executed pipeline of ``staged`` behind the executor contract.
 
@@ -482,6 +511,8 @@ def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule
     scan_steps: if ``K``, one call runs ``K`` steps; batch leaves are then
       ``[K, N*b, ...]`` and metrics gain a leading ``K`` axis.
     num_micro_batches: ``N`` for ``gpipe`` (default ``J``); ``cyclic`` needs ``J``.
+    keep_activations: a forward stashes the activations its backward needs
+      instead of its input (every stage but the first; the module docstring).
     donate: donate the input state's buffers.
 
   Returns:
@@ -505,7 +536,7 @@ def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule
   plan = executor_lib.resolve(rule, "model", num_rows, num_stages, timetable)
   num_micro = int(np.prod([mesh.shape[a] for a in axes[:-1]], dtype=int)) * per_replica
   tt = _Timetable(plan.timetable, axes, num_stages, num_micro, per_replica, scan_steps or 1)
-  body = _make_body(staged, tx, plan, tt)
+  body = _make_body(staged, tx, plan, tt, keep_activations)
   state_spec = StagedState(P(), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS), P(STAGE_AXIS))
   batch_spec = P(None, tt.replica_axis) if tt.replica_axis else P()
   stage_rows = NamedSharding(mesh, P(STAGE_AXIS))

@@ -28,6 +28,7 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
@@ -79,6 +80,25 @@ def _split(flat, shapes) -> list:
   return [part.reshape(shape) for part, shape in zip(parts, shapes)]
 
 
+def _to_float32(x):
+  """``x`` as float32 elements: 32-bit types bit cast, narrower ones converted (exactly)."""
+  if x.dtype == jnp.float32:
+    return x
+  if jnp.dtype(x.dtype).itemsize == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.float32)
+  return x.astype(jnp.float32)
+
+
+def _from_float32(flat, like):
+  """The inverse of `_to_float32`, shaped and typed as ``like``."""
+  x = flat.reshape(like.shape)
+  if like.dtype == jnp.float32:
+    return x
+  if jnp.dtype(like.dtype).itemsize == 4:
+    return jax.lax.bitcast_convert_type(x, like.dtype)
+  return x.astype(like.dtype)
+
+
 def _traced(tree) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
@@ -117,6 +137,7 @@ class StagedModel:
   collections: tuple
   _param_layouts: tuple
   _state_layouts: tuple
+  _kept_cache: dict = dataclasses.field(default_factory=dict)  # `_kept_leaves`, by operand types.
 
   @property
   def num_stages(self) -> int:
@@ -295,6 +316,74 @@ class StagedModel:
     def branch(j):
       return lambda *ops: vary(self._stage_fn(j, x_spec)(*ops), axes)
     return jax.lax.switch(stage, [branch(j) for j in range(self.num_stages)], *operands)
+
+  # -- Activations kept from the forward for the backward (``keep_activations``). ---
+
+  def _vjp_of(self, stage: int, params_P, state_M, h_A, x, labels):
+    """``((h_A, loss), vjp, new_state_M)`` of stage ``stage`` (``jax.vjp`` in ``params_P, h_A``)."""
+    x_spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    axes = varying((params_P, state_M, h_A, x, labels))
+
+    def f(p, h):
+      h_out, loss, new_state = self._stage_fn(stage, x_spec)(p, state_M, h, x, labels)
+      return vary((h_out, loss), axes), new_state  # Typed as the cotangents will be.
+    return jax.vjp(f, params_P, h_A, has_aux=True)
+
+  def _kept_leaves(self, stage: int, ops) -> tuple[tuple[int, ...], int]:
+    """Which leaves of stage ``stage``'s vjp depend on its input or the batch (kept from the
+    forward; the others are functions of the parameters and state, recomputed by the
+    backward), and their size as float32 elements, for the operands ``ops`` of `_vjp_of`
+    (arrays or tracers: inside ``shard_map`` the vjp has leaves of its own). A dependence is
+    followed through the jaxpr, every output of an equation taken to depend on all its
+    inputs (erring towards keeping a leaf)."""
+    key = (stage, tuple(str(jax.typeof(o)) for o in ops))
+    if key not in self._kept_cache:
+      jaxpr = jax.make_jaxpr(lambda *o: jax.tree.leaves(self._vjp_of(stage, *o)[1]))(*ops).jaxpr
+      found = set(jaxpr.invars[2:])  # h_A, x, labels (params_P and state_M come first).
+      for eqn in jaxpr.eqns:
+        if any(not isinstance(v, jax_core.Literal) and v in found for v in eqn.invars):
+          found.update(eqn.outvars)
+      kept = tuple(k for k, v in enumerate(jaxpr.outvars)
+                   if not isinstance(v, jax_core.Literal) and v in found)
+      self._kept_cache[key] = (kept, sum(math.prod(jaxpr.outvars[k].aval.shape) for k in kept))
+    return self._kept_cache[key]
+
+  def kept_size(self, params_P, state_M, h_A, x, labels) -> int:
+    """``R``: the most float32 elements a stage after the first keeps from a forward with
+    operands typed as these (the first stage recomputes: its input is the batch, which
+    stays)."""
+    ops = (params_P, state_M, h_A, x, labels)
+    return max([self._kept_leaves(j, ops)[1] for j in range(1, self.num_stages)], default=1) or 1
+
+  def apply_keeping(self, stage: int, params_P, state_M, h_A, x, labels, size: int):
+    """`apply`, and the vjp's leaves that depend on the input or the batch packed as ``size``
+    float32 elements (`vjp_kept` takes them; bit casts and exact conversions)."""
+    ops = (params_P, state_M, h_A, x, labels)
+    (h_out, loss), vjp, new_state = self._vjp_of(stage, *ops)
+    kept, kept_size = self._kept_leaves(stage, ops)
+    if kept_size > size:
+      raise ValueError(f"Stage {stage} keeps {kept_size} elements, the stash holds {size}: size "
+                       "it with kept_size() of operands typed as these.")
+    leaves = jax.tree.leaves(vjp)
+    packed = [jnp.ravel(_to_float32(leaves[k])) for k in kept]
+    flat = jnp.concatenate(vary(packed, varying(packed))) if packed else jnp.zeros((0,))
+    return h_out, loss, new_state, jnp.pad(flat, (0, size - flat.size))
+
+  def vjp_kept(self, stage: int, params_P, state_M, x, labels, kept_R, cot_h_A):
+    """``(grad_P, cot_h_in_A)`` of stage ``stage`` from what `apply_keeping` kept: the leaves
+    that depend on the parameters only are recomputed here (the rest of that trace is dead)."""
+    h_A = jnp.zeros_like(cot_h_A)
+    ops = (params_P, state_M, h_A, x, labels)
+    (_, loss), vjp, _ = self._vjp_of(stage, *ops)
+    kept, _ = self._kept_leaves(stage, ops)
+    leaves, treedef = jax.tree.flatten(vjp)
+    offset = 0
+    for k in kept:
+      n = math.prod(leaves[k].shape)
+      leaves[k] = _from_float32(kept_R[offset:offset + n], leaves[k])
+      offset += n
+    axes = varying((params_P, state_M, x, labels, kept_R, cot_h_A))
+    return jax.tree.unflatten(treedef, leaves)(vary((cot_h_A, jnp.ones_like(loss)), axes))
 
   def vjp(self, stage, params_P, state_M, h_A, x, labels, cot_h_A):
     """``(grad_P, cot_h_in_A)``: a stage's backward (recomputing its forward).
