@@ -442,7 +442,11 @@ def main(argv=None):
         checked = check_largest(out, name, c, largest, args.cached_only)
         if checked is None:
           missing.append(f"{name} {strategy} {LARGEST_CHECK[1]} at its largest size")
-      compiled = compile_point(out, name, c, strategy, topology, args.cached_only)
+      try:
+        compiled = compile_point(out, name, c, strategy, topology, args.cached_only)
+      except ValueError as e:  # A point the launcher refuses, e.g. a stash past int32 offsets.
+        missing.append(f"{name} {strategy} {topology} ({e})")
+        continue
       if compiled is None:
         missing.append(f"{name} {strategy} {topology}")
         continue

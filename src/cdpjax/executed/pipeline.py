@@ -480,6 +480,11 @@ def _make_body(staged: StagedModel, tx, plan: executor_lib.RulePlan, tt: _Timeta
       theta = _vary(jnp.zeros((staged.param_size,), jnp.float32), tt.axes)
       width = staged.kept_size(theta, carry.model_state_M, carry.recv_A, x_KxMx[0, 0],
                                labels_KxMxb[0, 0])
+    if stash_size * width >= 2**31:
+      raise ValueError(
+          f"The stash of {stash_size} micro-batches of {width:,} elements each is too large for "
+          "the int32 offsets of its flat buffer: use fewer rows per micro-batch, more stages, "
+          "or recompute (keep_activations=False).")
     carry = carry._replace(stash_SW=_vary(jnp.zeros((stash_size * width,), jnp.float32), tt.axes))
     carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, x_KxMx, labels_KxMxb, state.step), carry,
                             jnp.arange(tt.num_slots))
