@@ -164,9 +164,10 @@ def _gib(gib: float) -> str:
 
 def tpu_plan_rows(data: dict) -> list[Row]:
   """Issue 34's goals of the compiled TPU programs, per model."""
-  missing = data.get("not_compiled") or []
+  missing, refused = data.get("not_compiled") or [], data.get("refused") or []
   rows = [Row("points of the plan compiled", "all", f"{len(data['rows'])}"
               + (f"; not yet: {', '.join(missing)}" if missing else ""), not missing)]
+  rows += [_info(f"{r['point']}: refused by the launcher", r["why"]) for r in refused]
   by_model: dict[str, dict] = {}
   for r in data["rows"]:
     by_model.setdefault(f"{r['model']} {r['topology']}", {})[r["strategy"]] = r

@@ -272,7 +272,8 @@ def predicted(strategy: str, c, w=None) -> dict:
 
 
 def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> dict | None:
-  """The compiled report of one point, from the cache when there (else None if ``cached_only``).
+  """The compiled report of one point, from the cache when there (else None if ``cached_only``),
+  or ``{"refused": why}`` for a point the launcher refuses (cached as well).
 
   A cached report without the buffer assignment (``hbm_temp_ranges``, compiled
   before cdpjax-compile read it) is compiled again unless ``cached_only``.
@@ -280,12 +281,16 @@ def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> di
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
   path = out_dir / "points" / f"{name}_{strategy}_{topology.replace(':', '_')}.json"
   cached = json.loads(path.read_text()) if path.exists() else None
-  if cached and ("hbm_temp_ranges" in cached["memory_per_chip"] or cached_only):
+  if cached and ("refused" in cached or "hbm_temp_ranges" in cached["memory_per_chip"]
+                 or cached_only):
     return cached
   if cached_only:
     return None
   path.parent.mkdir(parents=True, exist_ok=True)
-  result = aot.compile_config(c, topology)
+  try:
+    result = aot.compile_config(c, topology)
+  except ValueError as e:  # E.g. a stash past int32 offsets: the error names the fix.
+    result = {"refused": str(e)}
   _common.write_json(path, result)
   return result
 
@@ -422,7 +427,7 @@ def main(argv=None):
   # Each point cuts the model into stages by FLOPs, compiling its units on the CPU: once.
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-  rows, largest, missing, workloads, checked = [], [], [], {}, None
+  rows, largest, missing, refused, workloads, checked = [], [], [], [], {}, None
   for name, path, overrides, model_kwargs, pod in entries:
     chips = aot.parse_topology(pod)[1]
     for strategy in args.strategies:
@@ -442,13 +447,12 @@ def main(argv=None):
         checked = check_largest(out, name, c, largest, args.cached_only)
         if checked is None:
           missing.append(f"{name} {strategy} {LARGEST_CHECK[1]} at its largest size")
-      try:
-        compiled = compile_point(out, name, c, strategy, topology, args.cached_only)
-      except ValueError as e:  # A point the launcher refuses, e.g. a stash past int32 offsets.
-        missing.append(f"{name} {strategy} {topology} ({e})")
-        continue
+      compiled = compile_point(out, name, c, strategy, topology, args.cached_only)
       if compiled is None:
         missing.append(f"{name} {strategy} {topology}")
+        continue
+      if "refused" in compiled:
+        refused.append({"point": f"{name} {strategy} {topology}", "why": compiled["refused"]})
         continue
       key = (name, STRATEGIES[strategy][1] != "data", stage_pad(strategy, c))
       if key not in workloads:
@@ -457,7 +461,7 @@ def main(argv=None):
       print(f"{name} {strategy} {topology}: compiled", flush=True)
   lowering = reduce_scatter_lowering()
   result = {"rows": rows, "largest_transformer": largest, "largest_checked": checked,
-            "not_compiled": missing,
+            "not_compiled": missing, "refused": refused,
             "reduce_scatter_lowering": lowering, "hbm_source": aot.HBM_SOURCE}
   _common.write_json(out / "tpu_plan.json", result)
   print_table(rows)

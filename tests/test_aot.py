@@ -134,3 +134,18 @@ def test_tpu_plan_quick_compiles_every_strategy_with_the_predicted_collectives(t
   for r in result["rows"]:
     assert r["collective_ratio_min"] == pytest.approx(1.0, rel=1e-3), r
     assert r["collective_ratio_max"] == pytest.approx(1.0, rel=1e-3), r
+
+
+def test_tpu_plan_records_a_refused_point_with_why(tmp_path, monkeypatch):
+  """A point the launcher refuses (its ValueError names the fix) is cached as refused, read
+  back as such without compiling again, and listed apart from the points not yet compiled."""
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import tpu_plan  # pylint: disable=g-import-not-at-top
+
+  def refuse(c, topology):
+    raise ValueError("too large: use fewer rows")
+  monkeypatch.setattr(aot, "compile_config", refuse)
+  first = tpu_plan.compile_point(tmp_path, "m", None, "gpipe-kept", "v5e:2x4")
+  assert first == {"refused": "too large: use fewer rows"}
+  monkeypatch.setattr(aot, "compile_config", lambda c, t: pytest.fail("compiled again"))
+  assert tpu_plan.compile_point(tmp_path, "m", None, "gpipe-kept", "v5e:2x4") == first
