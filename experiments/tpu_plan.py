@@ -144,10 +144,12 @@ def workload(c, executed: bool, pad_to: int = 1):
   the largest stage, recompute a stage's forward in its backward (so a stage
   keeps its input, padded to the largest boundary, and the recomputation's
   residuals live while its backward runs, `stage_residual_bytes`) and send
-  padded boundaries; the engine keeps the unpadded stages and ``jax.vjp``'s
-  residuals.
+  padded boundaries; with ``keep_activations`` a stash row holds what the
+  largest stage's backward needs instead (`StagedModel.kept_size`). The
+  engine keeps the unpadded stages and ``jax.vjp``'s residuals.
   """
   import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from cdpjax import aot, analysis, train  # pylint: disable=g-import-not-at-top
   from cdpjax.executed import staged as staged_lib  # pylint: disable=g-import-not-at-top
   model, sample, batch = aot.model_and_batch(c)
@@ -163,8 +165,14 @@ def workload(c, executed: bool, pad_to: int = 1):
   J = staged.num_stages
   if executed:
     act = 4.0 * staged.act_size(x_spec)
+    stash = [act] * J  # A stash row per micro-batch: a stage's input, padded to the largest;
+    if c.keep_activations:  # kept: what a backward needs (the largest stage's), the first
+      flat = lambda size: jax.ShapeDtypeStruct((size,), jnp.float32)  # stage recomputing.
+      kept = 4.0 * staged.kept_size(flat(staged.param_size), flat(staged.state_size),
+                                    flat(staged.act_size(x_spec)), x_spec, rows["label"])
+      stash = [0.0] + [kept] * (J - 1)
     recompute = stage_residual_bytes(staged, x_spec, rows["label"])
-    return analysis.workload([4.0 * staged.param_size] * J, [act] * J, J, optimizer_factor=k,
+    return analysis.workload([4.0 * staged.param_size] * J, stash, J, optimizer_factor=k,
                              boundary_bytes=act, recompute_bytes=[recompute] * J)
   boundaries = [4.0 * sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
                 for spec in staged.boundary_specs(x_spec)[:-1]]
@@ -454,9 +462,9 @@ def main(argv=None):
       if "refused" in compiled:
         refused.append({"point": f"{name} {strategy} {topology}", "why": compiled["refused"]})
         continue
-      key = (name, STRATEGIES[strategy][1] != "data", stage_pad(strategy, c))
+      key = (name, STRATEGIES[strategy][1] != "data", stage_pad(strategy, c), c.keep_activations)
       if key not in workloads:
-        workloads[key] = workload(c, *key[1:])
+        workloads[key] = workload(c, *key[1:3])
       rows.append(row(name, strategy, topology, compiled, predicted(strategy, c, workloads[key])))
       print(f"{name} {strategy} {topology}: compiled", flush=True)
   lowering = reduce_scatter_lowering()

@@ -136,6 +136,25 @@ def test_tpu_plan_quick_compiles_every_strategy_with_the_predicted_collectives(t
     assert r["collective_ratio_max"] == pytest.approx(1.0, rel=1e-3), r
 
 
+def test_tpu_plan_predicts_the_kept_stash():
+  """With activations kept, the cost model's stash holds what a backward needs, not a stage's
+  input: GPipe's busiest chip N rows of it, CDP+MP's J - 1 (the first stage recomputes)."""
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import tpu_plan  # pylint: disable=g-import-not-at-top
+  name, path, overrides, model_kwargs, _ = tpu_plan.PLANS["quick"][0]
+  predicted, rows = {}, {}
+  for strategy in ("gpipe", "gpipe-kept", "cdp+mp-kept"):
+    c = tpu_plan.point_config(path, overrides, model_kwargs, strategy, 8,
+                              tpu_plan.NUM_STAGES["quick"])
+    w = tpu_plan.workload(c, executed=True)
+    predicted[strategy] = tpu_plan.predicted(strategy, c, w)["activations_bytes"]
+    rows[strategy] = w.stage_activation_bytes
+  n, j = c.num_workers, c.num_stages
+  kept, stage_input = rows["gpipe-kept"][1], rows["gpipe"][1]
+  assert rows["gpipe-kept"] == (0.0,) + (kept,) * (j - 1) and kept > stage_input
+  assert predicted["gpipe-kept"] - predicted["cdp+mp-kept"] == (n - (j - 1)) * kept
+
+
 def test_tpu_plan_records_a_refused_point_with_why(tmp_path, monkeypatch):
   """A point the launcher refuses (its ValueError names the fix) is cached as refused, read
   back as such without compiling again, and listed apart from the points not yet compiled."""
