@@ -67,16 +67,19 @@ class _Layout:
 def _split(flat, shapes) -> list:
   """The leaves of ``shapes`` laid end to end at the start of ``flat`` (numpy or jax).
 
-  One split, whose transpose is one concatenate. A slice per leaf would
-  transpose to a pad to the whole buffer and an add per leaf, a chain that
-  XLA:CPU's fusion compiled wrong (docs/xla_cpu_miscompile.md), and that
-  costs a full-length pass per leaf.
+  One split of the whole buffer (the padding its last, unused part), whose
+  transpose is one concatenate into a buffer of ``flat``'s size. A slice per
+  leaf would transpose to a pad to the whole buffer and an add per leaf, a
+  chain that XLA:CPU's fusion compiled wrong (docs/xla_cpu_miscompile.md), and
+  that costs a full-length pass per leaf; a slice of the leaves' span first
+  would transpose to a pad, which the TPU compiler gives a second buffer of
+  the stage's size (the 1B transformer's last stage, BENCHMARKS.md).
   """
   if not shapes:
     return []
   sizes = [math.prod(s) for s in shapes]
   xp = np if isinstance(flat, np.ndarray) else jnp
-  parts = xp.split(flat[:sum(sizes)], np.cumsum(sizes)[:-1])
+  parts = xp.split(flat, np.cumsum(sizes))[:-1]
   return [part.reshape(shape) for part, shape in zip(parts, shapes)]
 
 
