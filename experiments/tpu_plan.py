@@ -164,12 +164,13 @@ def workload(c, executed: bool, pad_to: int = 1):
   k = OPTIMIZER_FACTOR[c.optimizer]
   J = staged.num_stages
   if executed:
-    act = 4.0 * staged.act_size(x_spec)
+    act_size = staged.act_size(x_spec)
+    act = 4.0 * act_size
     stash = [act] * J  # A stash row per micro-batch: a stage's input, padded to the largest;
     if c.keep_activations:  # kept: what a backward needs (the largest stage's), the first
       flat = lambda size: jax.ShapeDtypeStruct((size,), jnp.float32)  # stage recomputing.
       kept = 4.0 * staged.kept_size(flat(staged.param_size), flat(staged.state_size),
-                                    flat(staged.act_size(x_spec)), x_spec, rows["label"])
+                                    flat(act_size), x_spec, rows["label"])
       stash = [0.0] + [kept] * (J - 1)
     recompute = stage_residual_bytes(staged, x_spec, rows["label"])
     return analysis.workload([4.0 * staged.param_size] * J, stash, J, optimizer_factor=k,
