@@ -315,16 +315,22 @@ def _branches(staged: StagedModel, ring: Ring):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
   Operands ``(carry, event, buf_P, state_2M, me, x, labels)``; results
-  ``(h, cot, stash_JxA, stash_JxM, next_JxM, grads_Q, state_2M, loss)`` (zero gradients but
-  in a backward).
+  ``(h, cot, stash_JxA, stash_JxM, next_JxM, grads_P, rest_E, state_2M, loss)``: a
+  backward's gradient message is ``grads_P`` then ``rest_E`` (the next model state,
+  DC-ASGD's squares). Elsewhere ``grads_P`` is the stage received, passed through, and
+  ``rest_E`` zeros: no worker outside a backward sends a gradient, and the branches'
+  common result takes the buffer of the stage, which a backward no longer reads once it
+  has its leaves. A result of zeros would hold a stage-sized buffer of its own through
+  every branch (the TPU compiler keeps a conditional's result in one place across its
+  branches): 0.3 GiB of heap on the 1B transformer (BENCHMARKS.md, "Pod plan").
   """
-  size_m, last = ring.size_m, ring.num_workers - 1
+  size_m, size_e, last = ring.size_m, ring.size_q - ring.size_p, ring.num_workers - 1
 
   def idle(ops):
-    c = ops[0]
-    zeros_q = jnp.zeros((ring.size_q,), jnp.float32)
-    return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, zeros_q,
-                      jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
+    c, buf = ops[0], ops[2]
+    return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, buf,
+                      jnp.zeros((size_e,), jnp.float32), jnp.zeros((2 * size_m,), jnp.float32),
+                      jnp.zeros((), jnp.float32)))
 
   def forward(ops):
     c, ev, buf, state, me, x, labels = ops
@@ -336,7 +342,7 @@ def _branches(staged: StagedModel, ring: Ring):
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
     return ring.vary((h, c.cot_A, c.stash_JxA.at[j].set(c.h_A), c.stash_JxM.at[j].set(read),
-                      c.next_JxM.at[j].set(mean), jnp.zeros((ring.size_q,), jnp.float32),
+                      c.next_JxM.at[j].set(mean), buf, jnp.zeros((size_e,), jnp.float32),
                       msg, loss))
 
   def backward(ops):
@@ -347,7 +353,7 @@ def _branches(staged: StagedModel, ring: Ring):
     # DC-ASGD: the owner adds dc_lambda * g * g * (theta_t - theta_read) per delay d.
     squares = [jnp.where(ev["delay"] == d, grads * grads, 0.0) for d in ring.dc_delays]
     return ring.vary((c.h_A, cot, c.stash_JxA, c.stash_JxM, c.next_JxM,
-                      jnp.concatenate([grads, next_state, *squares]),
+                      grads, jnp.concatenate([next_state, *squares]),
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   return [idle, forward, backward]
@@ -387,11 +393,13 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
       state = jnp.where(ev["state_ring"] == 1, ring.route(
           ("state", "ring"), slot, param_in[0], lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
-    h, cot, stash, stash_m, next_m, grads, msg, loss = jax.lax.switch(
+    h, cot, stash, stash_m, next_m, grads, rest, msg, loss = jax.lax.switch(
         ev["kind"], branches, (c, ev, buf, state, me, x, labels))
     # A backward's gradient goes to the owner (zeros elsewhere); the owner's own is added here.
-    grads_in = ring.route(("grad", "owner"), slot, None, lambda g: g, grads)
-    acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q) + grads_in + jnp.where(local, grads, 0.0)
+    message = jnp.concatenate([grads, rest]) if rest.size else grads
+    grads_in = ring.route(("grad", "owner"), slot, None, lambda g: g, message)
+    own = local & (ev["kind"] == plan_lib.BWD)
+    acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q) + grads_in + jnp.where(own, message, 0.0)
     return c._replace(
         acc_Q=acc, state_2x2M=c.state_2x2M.at[slot % 2].set(msg), h_A=h, cot_A=cot,
         stash_JxA=stash, stash_JxM=stash_m, next_JxM=next_m,
