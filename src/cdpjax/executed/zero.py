@@ -314,46 +314,50 @@ def _update(ring: Ring, tx, rule: executor_lib.RulePlan, acc, carry: _Carry, ste
 def _branches(staged: StagedModel, ring: Ring):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
-  Operands ``(carry, event, buf_P, state_2M, me, x, labels)``; results
-  ``(h, cot, stash_JxA, stash_JxM, next_JxM, grads_P, rest_E, state_2M, loss)``: a
-  backward's gradient message is ``grads_P`` then ``rest_E`` (the next model state,
-  DC-ASGD's squares). Elsewhere ``grads_P`` is the stage received, passed through, and
-  ``rest_E`` zeros: no worker outside a backward sends a gradient, and the branches'
-  common result takes the buffer of the stage, which a backward no longer reads once it
-  has its leaves. A result of zeros would hold a stage-sized buffer of its own through
-  every branch (the TPU compiler keeps a conditional's result in one place across its
-  branches): 0.3 GiB of heap on the 1B transformer (BENCHMARKS.md, "Pod plan").
+  Operands ``(carry, event, received_H, state_2M, me, x, labels)``, ``received_H`` the
+  stage and its model state (``H = P + M``); results ``(h, cot, stash_JxA, stash_JxM,
+  next_JxM, head_H, tail_E, state_2M, loss)``: a backward's gradient message is ``head_H``
+  (the gradient, the next model state) then ``tail_E`` (DC-ASGD's squares). Elsewhere
+  ``head_H`` is ``received_H`` passed through and ``tail_E`` zeros: no worker outside a
+  backward sends a gradient, and the branches' common result takes the buffer of the
+  stage received, which a backward no longer reads once it has its leaves. A result of
+  zeros would hold a stage-sized buffer of its own through every branch (the TPU compiler
+  keeps a conditional's result in one place across its branches): 0.3 GiB of heap on the
+  1B transformer (BENCHMARKS.md, "Pod plan").
   """
-  size_m, size_e, last = ring.size_m, ring.size_q - ring.size_p, ring.num_workers - 1
+  size_p, size_m, last = ring.size_p, ring.size_m, ring.num_workers - 1
+  size_e = ring.size_q - size_p - size_m
 
   def idle(ops):
-    c, buf = ops[0], ops[2]
-    return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, buf,
+    c, received = ops[0], ops[2]
+    return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, received,
                       jnp.zeros((size_e,), jnp.float32), jnp.zeros((2 * size_m,), jnp.float32),
                       jnp.zeros((), jnp.float32)))
 
   def forward(ops):
-    c, ev, buf, state, me, x, labels = ops
+    c, ev, received, state, me, x, labels = ops
     j, read = ev["stage"], state[:size_m]
-    h, loss, new_state = staged.apply(j, buf, read, c.h_A, x, labels)
+    h, loss, new_state = staged.apply(j, received[:size_p], read, c.h_A, x, labels)
     total = state[size_m:] + new_state
     mean = total / ring.num_workers
     # Worker N-1 closes the sum: the state of step t+1 goes on to the next step and the owner.
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
     return ring.vary((h, c.cot_A, c.stash_JxA.at[j].set(c.h_A), c.stash_JxM.at[j].set(read),
-                      c.next_JxM.at[j].set(mean), buf, jnp.zeros((size_e,), jnp.float32),
+                      c.next_JxM.at[j].set(mean), received, jnp.zeros((size_e,), jnp.float32),
                       msg, loss))
 
   def backward(ops):
-    c, ev, buf, _, me, x, labels = ops
+    c, ev, received, _, me, x, labels = ops
     j = ev["stage"]
-    grads, cot = staged.vjp(j, buf, c.stash_JxM[j], c.stash_JxA[j], x, labels, c.cot_A)
+    grads, cot = staged.vjp(j, received[:size_p], c.stash_JxM[j], c.stash_JxA[j], x, labels,
+                            c.cot_A)
     next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
     # DC-ASGD: the owner adds dc_lambda * g * g * (theta_t - theta_read) per delay d.
     squares = [jnp.where(ev["delay"] == d, grads * grads, 0.0) for d in ring.dc_delays]
     return ring.vary((c.h_A, cot, c.stash_JxA, c.stash_JxM, c.next_JxM,
-                      grads, jnp.concatenate([next_state, *squares]),
+                      jnp.concatenate([grads, next_state]),
+                      jnp.concatenate(squares) if squares else jnp.zeros((0,), jnp.float32),
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   return [idle, forward, backward]
@@ -386,17 +390,16 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
     param_in = ring.route(("param", "owner"), slot, None, lambda *m: jnp.concatenate(m),
                           served, ring.vary(c.model_state_M))
     local = ev["source"] == plan_lib.LOCAL
-    buf = jnp.where(local, served, param_in[:size_p])
-    first_state = jnp.where(local, c.model_state_M, param_in[size_p:])
-    state = jnp.concatenate([first_state, jnp.zeros((size_m,), jnp.float32)])
+    received = jnp.where(local, jnp.concatenate([served, c.model_state_M]), param_in)
+    state = jnp.concatenate([received[size_p:], jnp.zeros((size_m,), jnp.float32)])
     if size_m:  # After the stage messages, which devices must not order apart (`device.after`).
       state = jnp.where(ev["state_ring"] == 1, ring.route(
           ("state", "ring"), slot, param_in[0], lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
-    h, cot, stash, stash_m, next_m, grads, rest, msg, loss = jax.lax.switch(
-        ev["kind"], branches, (c, ev, buf, state, me, x, labels))
+    h, cot, stash, stash_m, next_m, head, tail, msg, loss = jax.lax.switch(
+        ev["kind"], branches, (c, ev, received, state, me, x, labels))
     # A backward's gradient goes to the owner (zeros elsewhere); the owner's own is added here.
-    message = jnp.concatenate([grads, rest]) if rest.size else grads
+    message = jnp.concatenate([head, tail]) if tail.size else head
     grads_in = ring.route(("grad", "owner"), slot, None, lambda g: g, message)
     own = local & (ev["kind"] == plan_lib.BWD)
     acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q) + grads_in + jnp.where(own, message, 0.0)
