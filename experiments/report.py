@@ -197,7 +197,10 @@ def tpu_plan_rows(data: dict) -> list[Row]:
                       + (_fmt(p["hbm_temp_large_MiB"], ".2f") or "none")
                       + ("" if p.get("hbm_tuple_tables") is None else
                          f", heap arrays {p['hbm_temp_arrays_MiB']:.2f} MiB and "
-                         f"{p['hbm_tuple_tables']} tuple tables") for p in (cz, z3))
+                         f"{p['hbm_tuple_tables']} tuple tables")
+                      + ("" if p.get("hbm_live_peak_MiB") is None else
+                         f", most of the heap live at once {p['hbm_live_peak_MiB']:.2f} MiB ("
+                         + ", ".join(p["hbm_live_peak_values"][:3]) + ")") for p in (cz, z3))
             + f"; with on-chip VMEM {_gib(with_vmem[0])} / {_gib(with_vmem[1])} = "
             f"{with_vmem[0] / with_vmem[1]:.2f}"))
       moved = cz["collective_MiB_max"] / z3["collective_MiB_max"]

@@ -336,6 +336,10 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
       "hbm_temp_large_MiB": [r["bytes"] / mib for r in m.get("hbm_temp_ranges", [])],
       "hbm_temp_arrays_MiB": m["hbm_temp_arrays_bytes"] / mib if "hbm_tuple_tables" in m else None,
       "hbm_tuple_tables": m.get("hbm_tuple_tables"),
+      "hbm_live_peak_MiB": (m["hbm_temp_live_peak"]["bytes"] / mib
+                            if m.get("hbm_temp_live_peak") else None),
+      "hbm_live_peak_values": [f"{v['bytes'] / mib:.2f} MiB {v['value'].split()[0]}"
+                               for v in (m.get("hbm_temp_live_peak") or {}).get("values", [])],
       "argument_GiB": m["argument_bytes"] / gib, "temp_GiB": m["temp_bytes"] / gib,
       "fits": compiled["fits"],
       "model_recompute_GiB": prediction["recompute_bytes"] / gib,

@@ -91,6 +91,9 @@ def test_buffer_assignment_holds_arguments_and_outputs(mesh, x, tmp_path):
   # The heap's array slots: the large ranges' values are arrays, all within the heap.
   assert sum(r["bytes"] for r in ranges) <= assignment["temp_arrays"] <= by_kind.get("temp", 0)
   assert assignment["temp_tuple_tables"] >= 0
+  peak = assignment["temp_live_peak"]  # The most of the heap live at once: within it, and what.
+  assert 0 < peak["bytes"] <= by_kind["temp"] and peak["at"], peak
+  assert 0 < sum(v["bytes"] for v in peak["values"]) <= peak["bytes"], peak
   with pytest.raises(ValueError, match="found 0"):
     compiled.buffer_assignment(str(tmp_path / "empty"))
   del program

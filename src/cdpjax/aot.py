@@ -220,6 +220,7 @@ def report(lowered, topology: str) -> dict:
                 hbm_by_kind=assignment["default_by_kind"],
                 hbm_temp_ranges=assignment["temp_ranges"],
                 hbm_temp_arrays_bytes=assignment["temp_arrays"],
+                hbm_temp_live_peak=assignment["temp_live_peak"],
                 hbm_tuple_tables=assignment["temp_tuple_tables"])
   chip, num_chips = parse_topology(topology)
   hbm = CHIP_HBM_BYTES[chip]
@@ -264,6 +265,14 @@ def _range(low: float, high: float, spec: str) -> str:
   return f"{low:{spec}}" if low == high else f"{low:{spec}}-{high:{spec}}"
 
 
+def _live_peak_line(peak) -> list[str]:
+  if not peak:
+    return []
+  return [f"  the temp heap's most live at once: {_gib(peak['bytes'])} (at {peak['at']}), the "
+          "largest: " + ", ".join(f"{_gib(v['bytes'])} {v['value'].split()[0]}"
+                                  for v in peak["values"][:4])]
+
+
 def summary(result: dict) -> str:
   """A short table of a report, for the terminal."""
   m = result["memory_per_chip"]
@@ -280,6 +289,7 @@ def summary(result: dict) -> str:
           or "none"),
       f"  the temp heap's arrays: {_gib(m['hbm_temp_arrays_bytes'])}; the rest is "
       f"{m['hbm_tuple_tables']} tuple tables (16 KiB each) and alignment",
+      *_live_peak_line(m.get("hbm_temp_live_peak")),
       f"  on-chip (VMEM)  {_gib(m['vmem_bytes'])}",
       "XLA's memory analysis (its temp is not the HBM heap: docs/multihost.md):",
       *[f"  {key:<15} {_gib(m[key + '_bytes'])}" for key in

@@ -56,7 +56,8 @@ def buffer_assignment(dump_dir: str) -> dict:
   program in ``dump_dir``.
 
   Returns ``{"spaces": {name: bytes}, "default_by_kind": {kind: bytes},
-  "temp_ranges": [...], "temp_arrays": bytes, "temp_tuple_tables": count}``:
+  "temp_ranges": [...], "temp_arrays": bytes, "temp_tuple_tables": count,
+  "temp_live_peak": {...}}``:
   kinds ``parameter`` (arguments), ``temp`` (the heap of temporaries at its
   peak), ``output``, ``thread-local``, ``constant``; ``temp_ranges``, the
   disjoint byte ranges of that heap holding values of at least 2% of it
@@ -65,6 +66,8 @@ def buffer_assignment(dump_dir: str) -> dict:
   placed them. ``temp_arrays``: the bytes of the heap that arrays cover; the
   rest is tuple tables (``temp_tuple_tables`` of them: the TPU compiler gives
   each a 16 KiB slot, which dominates small programs' heaps) and alignment.
+  ``temp_live_peak`` (`_live_peak`): the most bytes of that heap live at once
+  and the largest values then, from the dumped live ranges (None without them).
   """
   import glob  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
@@ -110,8 +113,60 @@ def buffer_assignment(dump_dir: str) -> dict:
         last["values"].append(value)
     else:
       ranges.append({"offset": offset, "bytes": size, "values": [value]})
+  live = glob.glob(f"{dump_dir}/*after_optimizations-live-range.txt")
+  peak = _live_peak(text, open(live[0]).read()) if len(live) == 1 else None
   return {"spaces": spaces, "default_by_kind": by_kind, "temp_ranges": ranges,
-          "temp_arrays": arrays, "temp_tuple_tables": len(tuples)}
+          "temp_arrays": arrays, "temp_tuple_tables": len(tuples), "temp_live_peak": peak}
+
+
+def _live_peak(assignment: str, live_range: str, largest: int = 6) -> dict | None:
+  """The most bytes of the temp heap live at once, from the dumped live ranges.
+
+  A heap slot (offset and size) counts once while any value placed there is
+  live; a loop's carried values (``phi``) hold their slot from the slot's first
+  use to its last. ``bytes`` at most the heap's size: the rest of the heap is
+  space the placement leaves between values live together. Returns
+  ``{"bytes", "at": the instruction, "values": the largest live values}``, or
+  None without a heap.
+  """
+  import re  # pylint: disable=g-import-not-at-top
+  heap = re.search(r"^allocation \d+: size \d+, preallocated-temp:\n((?: value: .*\n)*)",
+                   assignment, re.M)
+  ranges = dict(re.findall(r"^    (\S+):(\d+-\d+)$", live_range, re.M))
+  order = dict(re.findall(r"^    (\d+):(\S+)$", live_range, re.M))
+  if not heap or not order:
+    return None
+  slots = {}  # (offset, size) -> [(start, end, name, shape, phi)]
+  for name, phi, size, offset, shape in re.findall(
+      r"value: <\d+ (\S+?)( \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (\S+)", heap.group(1)):
+    key = name if name.endswith("}") else name + "{}"
+    if key in ranges and int(size):
+      start, end = map(int, ranges[key].split("-"))
+      slots.setdefault((int(offset), int(size)), []).append((start, end, name, shape, bool(phi)))
+  steps = max(map(int, order)) + 2
+  occupied = np.zeros(steps, np.int64)
+  for (_, size), values in slots.items():
+    first, last = min(v[0] for v in values), max(v[1] for v in values)
+    spans = sorted((first, last) if v[4] else (v[0], v[1]) for v in values)
+    merged = []
+    for a, b in spans:
+      if merged and a <= merged[-1][1] + 1:
+        merged[-1][1] = max(merged[-1][1], b)
+      else:
+        merged.append([a, b])
+    for a, b in merged:
+      occupied[a] += size
+      occupied[b + 1] -= size
+  occupied = np.cumsum(occupied)
+  t = int(np.argmax(occupied))
+  top = []  # One value per live slot (values sharing a slot are one buffer), largest first.
+  for (_, size), values in slots.items():
+    first, last = min(v[0] for v in values), max(v[1] for v in values)
+    now = [v for v in values if v[0] <= t <= v[1] or (v[4] and first <= t <= last)]
+    if now:
+      top.append({"bytes": size, "value": f"{now[0][2]} {now[0][3]}"})
+  top = sorted(top, key=lambda v: -v["bytes"])[:largest]
+  return {"bytes": int(occupied[t]), "at": order.get(str(t), ""), "values": top}
 
 
 def memory(compiled) -> dict[str, int]:
