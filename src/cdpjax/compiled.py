@@ -163,7 +163,7 @@ def _live_peak(assignment: str, live_range: str, largest: int = 6) -> dict | Non
   for (_, size), values in slots.items():
     first, last = min(v[0] for v in values), max(v[1] for v in values)
     now = [v for v in values if v[0] <= t <= v[1] or (v[4] and first <= t <= last)]
-    if now:
+    if now and not now[0][3].startswith("("):  # Arrays: a tuple's slot is its table.
       top.append({"bytes": size, "value": f"{now[0][2]} {now[0][3]}"})
   top = sorted(top, key=lambda v: -v["bytes"])[:largest]
   return {"bytes": int(occupied[t]), "at": order.get(str(t), ""), "values": top}
