@@ -130,11 +130,13 @@ def stage_residual_bytes(staged, x_spec, labels_spec) -> float:
 
 
 def stage_pad(strategy: str, c) -> int:
-  """The multiple the launcher pads a strategy's stage buffers to (`cdpjax.executed.zero.pad_to`:
-  ZeRO-3's shards are whole TPU tiles)."""
-  from cdpjax.executed import zero  # pylint: disable=g-import-not-at-top
+  """The multiple the launcher pads a strategy's stage buffers to (`cdpjax.executed.zero.pad_to`,
+  `cdpjax.executed.device.TPU_TILE`: whole TPU tiles); the engine keeps its stages unpadded."""
+  from cdpjax.executed import device, zero  # pylint: disable=g-import-not-at-top
   timetable = {"zero-3": "zero3", "cdp+zero": "cyclic"}.get(strategy)
-  return zero.pad_to(c.num_workers, timetable) if timetable else 1
+  if timetable:
+    return zero.pad_to(c.num_workers, timetable)
+  return device.TPU_TILE if STRATEGIES[strategy][1] == "model" else 1
 
 
 def workload(c, executed: bool, pad_to: int = 1):

@@ -16,7 +16,7 @@ import optax
 
 from cdpjax import engine
 from cdpjax import executor as executor_lib
-from cdpjax.executed import pipeline, plan as plan_lib, staged as staged_lib, zero
+from cdpjax.executed import device, pipeline, plan as plan_lib, staged as staged_lib, zero
 
 
 def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule, mesh,
@@ -70,7 +70,8 @@ def pipeline_executor(model, tx, *, params, model_state, stage_ids, sample_input
                       loss_fn: Callable, scan_steps: int | None = None,
                       keep_activations: bool = False, **_) -> executor_lib.Executor:
   """The executed pipeline (``cdpjax.executed.pipeline``) of ``model`` cut at ``stage_ids``."""
-  staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn)
+  staged = _staged(model, params, model_state, stage_ids, sample_input, loss_fn,
+                   pad_to=device.TPU_TILE)
   return pipeline.make_executor(staged, tx, rule=rule, mesh=mesh, scan_steps=scan_steps,
                                 keep_activations=keep_activations)
 

@@ -12,6 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
+TPU_TILE = 1024
+"""Float32 elements in one tile of a 1-D array on the TPU (layout ``T(1024)``). The executed
+modes pad their stage buffers to a multiple of it: a device's row ``[1, P]`` of the state then
+becomes the flat ``[P]`` its loop carries by a bitcast, where another ``P`` costs a copy in and
+out of every call (digits ResNet-18 on v5e:2x4: GPipe 15.40 -> 13.00 MiB of HBM, CDP+ZeRO
+26.79 -> 18.66; BENCHMARKS.md, "Pod plan")."""
+
+
 def varying(tree) -> frozenset:
   """The mesh axes any leaf of ``tree`` varies over (inside ``shard_map``)."""
   return frozenset().union(*(jax.typeof(x).mat.varying for x in jax.tree.leaves(tree)))

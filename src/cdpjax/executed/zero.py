@@ -69,6 +69,7 @@ such as ``clip_by_global_norm``, would need an all-reduce.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -81,7 +82,8 @@ from cdpjax import compensation, compiled, engine
 from cdpjax import executor as executor_lib
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.pipeline import StagedState, Trees, portable_fns, replicated
-from cdpjax.executed.device import after as staged_after, steps_batch, vary, with_steps_axis
+from cdpjax.executed.device import (TPU_TILE, after as staged_after, steps_batch, vary,
+                                    with_steps_axis)
 from cdpjax.executed.staged import StagedModel
 
 AXIS = "data"
@@ -100,8 +102,11 @@ pieces of 4,096 rows stay reduce-scatters (measured with `cdpjax.aot`; BENCHMARK
 
 
 def pad_to(num_workers: int, timetable: str) -> int:
-  """The multiple a staged model's buffers are padded to for ``timetable`` on ``num_workers``."""
-  return num_workers * TPU_SHARD if timetable == "zero3" else num_workers
+  """The multiple a staged model's buffers are padded to for ``timetable`` on ``num_workers``:
+  whole TPU tiles (`device.TPU_TILE`), split evenly over the workers."""
+  if timetable == "zero3":
+    return num_workers * TPU_SHARD
+  return math.lcm(num_workers, TPU_TILE)
 
 
 def owner(stage: int, num_stages: int) -> int:
