@@ -238,9 +238,15 @@ def tpu_plan_rows(data: dict) -> list[Row]:
                         f"J x largest / sum of the stages = {dp['stage_padding']:.2f}"))
     ratios = {s: p["peak_ratio"] for s, p in points.items()}
     off = [f"{s} {v:.2f}" for s, v in ratios.items() if abs(v - 1) > 0.1]
-    rows.append(Row(f"{model}: compiled peak / cost model, {len(ratios)} strategies",
+    source = {p.get("model_activations", "shapes") for p in points.values()}
+    rows.append(Row(f"{model}: compiled peak / cost model, {len(ratios)} strategies "
+                    f"(activations: {' and '.join(sorted(source))})",
                     "within 10%", f"{min(ratios.values()):.2f} to {max(ratios.values()):.2f}"
                     + (f"; off: {', '.join(off)}" if off else ""), not off))
+    if source == {"compiled"}:
+      shapes = {s: p["shapes_peak_ratio"] for s, p in points.items()}
+      rows.append(_info(f"{model}: compiled peak / cost model, activations counted from shapes",
+                        ", ".join(f"{s} {v:.2f}" for s, v in shapes.items())))
     moved = [p["collective_ratio_max"] for p in points.values()]
     rows.append(Row(f"{model}: compiled collective bytes / cost model", "within 10%",
                     f"{min(moved):.3f} to {max(moved):.3f}",

@@ -31,6 +31,11 @@ The largest transformer each strategy fits on v5e and v5p comes from the cost
 model (a line in the layer count); one of them, CDP+MP on v5e:16x16
 (``LARGEST_CHECK``), is compiled at that size to check it against the HBM.
 
+The cost model's activation terms come from the compiler too (`calibration`:
+one micro-batch's backward compiled per chip, with no collective; cached in
+``points/``): counted from ``jax.vjp``'s shapes they are 2 to 5 times what a
+TPU keeps (each row's ``shapes_peak_ratio``).
+
   python experiments/tpu_plan.py                  # minutes to hours on 2 cores
   python experiments/tpu_plan.py --quick --results_dir /tmp/tpu_plan
 """
@@ -70,6 +75,7 @@ PLANS = {
 }
 NUM_STAGES = {"full": 4, "quick": 2}
 OPTIMIZER_FACTOR = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}  # Optimizer bytes per parameter byte.
+FLAT_MASK = {"adamw": 1.0}  # The executed timetables' AdamW decay mask: a float32 row per stage.
 
 
 def point_config(path, overrides, model_kwargs, strategy, chips, num_stages):
@@ -139,7 +145,7 @@ def stage_pad(strategy: str, c) -> int:
   return device.TPU_TILE if STRATEGIES[strategy][1] == "model" else 1
 
 
-def workload(c, executed: bool, pad_to: int = 1):
+def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
   """The cost model's ``Workload`` of config ``c``, as the compiled program lays it out.
 
   The executed timetables keep every stage in a flat float32 buffer padded to
@@ -149,6 +155,10 @@ def workload(c, executed: bool, pad_to: int = 1):
   padded boundaries; with ``keep_activations`` a stash row holds what the
   largest stage's backward needs instead (`StagedModel.kept_size`). The
   engine keeps the unpadded stages and ``jax.vjp``'s residuals.
+
+  ``measured``: the activation terms as the TPU compiler keeps them
+  (`calibration`), in place of those counted from shapes: the engine's
+  activations, the executed timetables' backward of each stage.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -166,6 +176,7 @@ def workload(c, executed: bool, pad_to: int = 1):
   k = OPTIMIZER_FACTOR[c.optimizer]
   J = staged.num_stages
   if executed:
+    k += FLAT_MASK.get(c.optimizer, 0.0)
     act_size = staged.act_size(x_spec)
     act = 4.0 * act_size
     stash = [act] * J  # A stash row per micro-batch: a stage's input, padded to the largest;
@@ -174,14 +185,108 @@ def workload(c, executed: bool, pad_to: int = 1):
       kept = 4.0 * staged.kept_size(flat(staged.param_size), flat(staged.state_size),
                                     flat(act_size), x_spec, rows["label"])
       stash = [0.0] + [kept] * (J - 1)
-    recompute = stage_residual_bytes(staged, x_spec, rows["label"])
+    recompute = ([stage_residual_bytes(staged, x_spec, rows["label"])] * J if measured is None
+                 else measured["stage_transient_bytes"])
     return analysis.workload([4.0 * staged.param_size] * J, stash, J, optimizer_factor=k,
-                             boundary_bytes=act, recompute_bytes=[recompute] * J)
+                             boundary_bytes=act, recompute_bytes=recompute)
   boundaries = [4.0 * sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
                 for spec in staged.boundary_specs(x_spec)[:-1]]
-  return analysis.workload([4.0 * s for s in staged.stage_param_sizes()],
-                           residual_bytes(model, variables, rows), J, optimizer_factor=k,
-                           boundary_bytes=boundaries)
+  activations = (residual_bytes(model, variables, rows) if measured is None
+                 else measured["engine_bytes"])
+  return analysis.workload([4.0 * s for s in staged.stage_param_sizes()], activations, J,
+                           optimizer_factor=k, boundary_bytes=boundaries)
+
+
+def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
+                cached_only=False) -> dict | None:
+  """What the TPU compiler keeps per chip for one micro-batch's backward: the cost model's
+  activation terms, from programs compiled for ``topology`` (cached in ``points/``).
+
+  ``jax.vjp``'s residuals counted from their shapes (`residual_bytes`,
+  `stage_residual_bytes`) include every intermediate; the compiler fuses the
+  elementwise work and keeps far less (the 1B transformer's engine: 8.2 of
+  38.9 GiB). Each program runs one micro-batch per chip, no collective:
+
+  - ``engine_bytes``: the temp heap of the gradient of one worker's loss;
+  - ``stage_transient_bytes``: per stage, the larger temp heap of its
+    forward and its backward as the executed timetables run them (the forward
+    recomputed in the backward, or with ``keep_activations`` the forward
+    keeping what the backward needs, the first stage recomputing), the
+    backward's with its gradient, which they hold until it joins the sum.
+  """
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  mode = ("executed-kept" if c.keep_activations else "executed") if executed else "engine"
+  path = out_dir / "points" / (f"{name}_calibration-{mode}-pad{pad_to}_"
+                               f"{topology.replace(':', '_')}.json")
+  if path.exists():
+    return json.loads(path.read_text())
+  if cached_only:
+    return None
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from cdpjax import tasks, train  # pylint: disable=g-import-not-at-top
+  from cdpjax.executed import staged as staged_lib  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(aot.topology_devices(topology)), ("chip",))
+  model, sample, batch = aot.model_and_batch(c)
+  variables = jax.eval_shape(lambda k: model.init(k, sample, train=False), jax.random.key(0))
+  params = variables["params"]
+  state = {k: v for k, v in variables.items() if k != "params"}
+  b = c.per_worker_batch_size
+  rows = {k: jax.ShapeDtypeStruct((b, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+  every = NamedSharding(mesh, P())
+  same = lambda t: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=every),
+                                t)
+  per_chip = lambda s: jax.ShapeDtypeStruct((mesh.size, *s.shape), s.dtype,
+                                            sharding=NamedSharding(mesh, P("chip")))
+
+  def heap(fn, shared, own, gradient=False):
+    """The temp heap of ``fn(*shared, *own)`` on every chip (``own``: one row each), plus its
+    first output (``gradient``)."""
+    def body(*args):
+      out = fn(*args[:len(shared)], *(jax.tree.map(lambda a: a[0], a) for a in args[len(shared):]))
+      return jax.tree.map(lambda a: a[None], out)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * len(shared)
+                                 + (P("chip"),) * len(own), out_specs=P("chip")))
+    lowered = step.lower(*same(shared), *(jax.tree.map(per_chip, a) for a in own))
+    m = aot.report(lowered, topology)["memory_per_chip"]["hbm_by_kind"]
+    out = jax.eval_shape(step, *same(shared), *(jax.tree.map(per_chip, a) for a in own))
+    extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out[0])) / mesh.size
+    return m.get("temp", 0) + (extra if gradient else 0)
+
+  if not executed:
+    def grad(p, st, x, y):
+      def loss(p):
+        out = model.apply({"params": p, **st}, x, train=True, mutable=list(st) or False)
+        return tasks.cross_entropy(out[0] if st else out, y)
+      return (jax.grad(loss)(p),)
+    result = {"engine_bytes": heap(grad, (params, state), (rows["image"], rows["label"]))}
+  else:
+    staged = staged_lib.stage_model(model, params, train.model_stage_ids(c, model, params, sample),
+                                    sample, model_state=state or None, pad_to=pad_to)
+    flat = lambda size: jax.ShapeDtypeStruct((size,), jnp.float32)
+    theta, st = flat(staged.param_size), flat(staged.state_size)
+    h = flat(staged.act_size(rows["image"]))
+    kept = staged.kept_size(theta, st, h, rows["image"], rows["label"])
+    transient = []
+    for j in range(staged.num_stages):
+      keeps = c.keep_activations and j > 0
+      if keeps:
+        forward = lambda p, s, h, x, y, j=j: staged.apply_keeping(j, p, s, h, x, y, kept)
+        backward = lambda p, s, x, y, r, cot, j=j: staged.vjp_kept(j, p, s, x, y, r, cot)
+        own = (rows["image"], rows["label"], flat(kept), h)
+      else:
+        forward = lambda p, s, h, x, y, j=j: staged.apply(j, p, s, h, x, y)
+        backward = lambda p, s, h, x, y, cot, j=j: staged.vjp(j, p, s, h, x, y, cot)
+        own = (h, rows["image"], rows["label"], h)
+      inputs = (h, rows["image"], rows["label"])
+      transient.append(max(heap(forward, (theta, st), inputs),
+                           heap(backward, (theta, st), own, gradient=True)))
+    result = {"stage_transient_bytes": transient}
+  path.parent.mkdir(parents=True, exist_ok=True)
+  _common.write_json(path, result)
+  return result
 
 
 def executed_permutes(strategy: str, c) -> int:
@@ -272,7 +377,7 @@ def predicted(strategy: str, c, w=None) -> dict:
                        replicas=c.num_replicas if executed else 1)
   m = cost.per_device
   return {"peak_bytes": m.peak, "params_bytes": m.params, "grads_bytes": m.grads,
-          "optimizer_bytes": m.optimizer, "buffers_bytes": m.buffers,
+          "optimizer_bytes": m.optimizer, "buffers_bytes": m.buffers, "messages_bytes": m.messages,
           "activations_bytes": m.activations_peak,
           "recompute_bytes": max(w.stage_recompute_bytes, default=0.0),
           "collective_bytes": sum(tpu_result_bytes(strategy, c, w, x) for x in cost.communication),
@@ -306,8 +411,10 @@ def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> di
   return result
 
 
-def row(name, strategy, topology, compiled, prediction) -> dict:
-  """One table row: compiled against predicted.
+def row(name, strategy, topology, compiled, prediction, shapes, calibrated: bool) -> dict:
+  """One table row: compiled against predicted (``prediction``: the cost model with the
+  compiler's activation terms, `calibration`, if ``calibrated``, else as ``shapes``: with
+  those counted from shapes).
 
   Collective bytes are per step (``cdpjax.hlo.collectives_per_step``; the
   compile runs one step per call): a conditional in the slot scan counts the
@@ -332,6 +439,8 @@ def row(name, strategy, topology, compiled, prediction) -> dict:
       "chips_used": compiled["devices_used"], "params_M": round(compiled["num_params"] / 1e6, 1),
       "peak_GiB": peak / gib, "model_peak_GiB": prediction["peak_bytes"] / gib,
       "peak_ratio": peak / prediction["peak_bytes"],
+      "model_activations": "compiled" if calibrated else "shapes",
+      "shapes_peak_GiB": shapes["peak_bytes"] / gib, "shapes_peak_ratio": peak / shapes["peak_bytes"],
       "peak_from": "buffer assignment" if "hbm_bytes" in m else "XLA's estimate",
       "estimate_peak_GiB": m["peak_bytes"] / gib, "vmem_GiB": m.get("vmem_bytes", 0) / gib,
       "hbm_by_kind_MiB": {k: v / mib for k, v in m.get("hbm_by_kind", {}).items()},
@@ -367,17 +476,18 @@ def peak_bytes(compiled: dict) -> int:
   return m.get("hbm_bytes", m["peak_bytes"])
 
 
-def peak_line(c, strategy: str, num_stages: int) -> tuple[float, float]:
+def peak_line(c, strategy: str, num_stages: int, workload_of) -> tuple[float, float]:
   """``(fixed, per_layer)``: the predicted peak of ``c`` is ``fixed + layers * per_layer``.
 
   Every memory term of the cost model is linear in the workload's bytes, and
-  those are affine in the number of layers: two workloads give the line.
+  those are affine in the number of layers: two workloads give the line
+  (``workload_of(c)``: the workload of ``c``).
   """
   peaks = {}
   for layers in (num_stages, 2 * num_stages):
     with c.unlocked():
       c.model_kwargs.num_layers = layers
-    peaks[layers] = predicted(strategy, c)["peak_bytes"]
+    peaks[layers] = predicted(strategy, c, workload_of(c))["peak_bytes"]
   per_layer = (peaks[2 * num_stages] - peaks[num_stages]) / num_stages
   return peaks[num_stages] - num_stages * per_layer, per_layer
 
@@ -393,7 +503,7 @@ LARGEST_CHECK = ("cdp+mp", "v5e:16x16")
 LARGEST_FROM = "transformer-1b"  # The model whose layer count the largest-model figures vary.
 
 
-def check_largest(out, name, c, largest, cached_only) -> dict | None:
+def check_largest(out, name, c, largest, cached_only, workload_of) -> dict | None:
   """Compiles ``LARGEST_CHECK``'s strategy at its predicted largest layer count, on its pod."""
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
   strategy, topology = LARGEST_CHECK
@@ -410,7 +520,7 @@ def check_largest(out, name, c, largest, cached_only) -> dict | None:
   peak = peak_bytes(compiled)
   return {"strategy": strategy, "topology": topology, "layers": layers,
           "params_B": round(compiled["num_params"] / 1e9, 2), "compiled_peak_GiB": peak / (1 << 30),
-          "predicted_peak_GiB": predicted(strategy, c)["peak_bytes"] / (1 << 30),
+          "predicted_peak_GiB": predicted(strategy, c, workload_of(c))["peak_bytes"] / (1 << 30),
           "hbm_GiB": hbm / (1 << 30), "fits": compiled["fits"]}
 
 
@@ -443,14 +553,34 @@ def main(argv=None):
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
   rows, largest, missing, refused, workloads, checked = [], [], [], [], {}, None
+
+  def measured(name, c, strategy, topology):
+    """The workload of ``c`` with the compiler's activation terms (None if not calibrated)."""
+    executed, pad = STRATEGIES[strategy][1] != "data", stage_pad(strategy, c)
+    key = (name, topology, executed, pad, c.keep_activations)
+    if key not in workloads:
+      found = calibration(out, name, c, topology, executed, pad, args.cached_only)
+      workloads[key] = found and workload(c, executed, pad, found)
+      if not found:
+        missing.append(f"{name} calibration for {strategy} {topology}")
+    return workloads[key]
+
+  def line_workload(strategy, topology):
+    def of(c):
+      layers = c.model_kwargs.num_layers
+      return (measured(f"{LARGEST_FROM}-{layers}layers", c, strategy, topology)
+              or workload(c, STRATEGIES[strategy][1] != "data", stage_pad(strategy, c)))
+    return of
+
   for name, path, overrides, model_kwargs, pod in entries:
     chips = aot.parse_topology(pod)[1]
     for strategy in args.strategies:
       topology = pod
       c = point_config(path, overrides, model_kwargs, strategy, chips, NUM_STAGES[plan])
-      if name == LARGEST_FROM:  # From the cost model alone: no compile.
-        line = peak_line(c.copy_and_resolve_references(), strategy, NUM_STAGES[plan])
+      if name == LARGEST_FROM:  # From the cost model, its activations compiled on each chip.
         for other in ("v5e:16x16", "v5p:8x8x4"):
+          line = peak_line(c.copy_and_resolve_references(), strategy, NUM_STAGES[plan],
+                           line_workload(strategy, other))
           hbm = aot.CHIP_HBM_BYTES[aot.parse_topology(other)[0]]
           layers = largest_layers(line, hbm, NUM_STAGES[plan])
           per_layer_params = 12 * c.model_kwargs.d_model ** 2  # Attention 4 d^2, MLP 8 d^2.
@@ -459,7 +589,8 @@ def main(argv=None):
                           "params_B": round(layers * per_layer_params / 1e9, 2),
                           "predicted_GiB_per_layer": line[1] / (1 << 30)})
       if name == LARGEST_FROM and strategy == LARGEST_CHECK[0]:
-        checked = check_largest(out, name, c, largest, args.cached_only)
+        checked = check_largest(out, name, c, largest, args.cached_only,
+                                line_workload(strategy, LARGEST_CHECK[1]))
         if checked is None:
           missing.append(f"{name} {strategy} {LARGEST_CHECK[1]} at its largest size")
       compiled = compile_point(out, name, c, strategy, topology, args.cached_only)
@@ -472,7 +603,11 @@ def main(argv=None):
       key = (name, STRATEGIES[strategy][1] != "data", stage_pad(strategy, c), c.keep_activations)
       if key not in workloads:
         workloads[key] = workload(c, *key[1:3])
-      rows.append(row(name, strategy, topology, compiled, predicted(strategy, c, workloads[key])))
+      shapes = predicted(strategy, c, workloads[key])
+      calibrated = measured(name, c, strategy, topology)
+      rows.append(row(name, strategy, topology, compiled,
+                      predicted(strategy, c, calibrated) if calibrated else shapes, shapes,
+                      bool(calibrated)))
       print(f"{name} {strategy} {topology}: compiled", flush=True)
   lowering = reduce_scatter_lowering()
   result = {"rows": rows, "largest_transformer": largest, "largest_checked": checked,

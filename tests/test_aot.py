@@ -131,6 +131,14 @@ def test_tpu_plan_quick_compiles_every_strategy_with_the_predicted_collectives(t
   result = tpu_plan.main(["--quick", "--results_dir", str(tmp_path)])
   assert not result["not_compiled"]
   assert sorted(r["strategy"] for r in result["rows"]) == sorted(tpu_plan.STRATEGIES)
+  assert {r["model_activations"] for r in result["rows"]} == {"compiled"}
+  calibrations = [json.loads(p.read_text()) for p in (tmp_path / "points").glob("*calibration*")]
+  assert len(calibrations) == 4  # The engine; the pipelines, recomputing or kept; ZeRO's pad.
+  largest_stage = min(r["largest_stage_MiB"] for r in result["rows"]
+                      if tpu_plan.STRATEGIES[r["strategy"]][1] != "data") * 2**20
+  for found in calibrations:  # A backward holds its (padded) stage's gradient, at least.
+    assert all(b >= largest_stage for b in found.get("stage_transient_bytes", [])), found
+    assert found.get("engine_bytes", 1) > 0, found
   for r in result["rows"]:
     assert r["collective_ratio_min"] == pytest.approx(1.0, rel=1e-3), r
     assert r["collective_ratio_max"] == pytest.approx(1.0, rel=1e-3), r

@@ -194,6 +194,28 @@ def test_global_norm_clip_and_adamw_mask():
   np.testing.assert_allclose(updates["b"], -0.1 * 0.5, rtol=1e-6)
 
 
+def test_adamw_is_optaxs_bit_for_bit():
+  """AdamW with the decay mask in the state (a scalar per leaf) against optax.adamw, masked to
+  matrices, over several steps."""
+  c = ml_collections.ConfigDict(dict(optimizer="adamw", momentum=0.0, weight_decay=0.1,
+                                     grad_clip_norm=0.0))
+  tx = train.make_optimizer(c, optax.constant_schedule(1e-2))
+  ref = optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+  key = jax.random.key(0)
+  params = {"bias": jax.random.normal(key, (5,)), "kernel": jax.random.normal(key, (5, 3))}
+  got = want = params
+  state, ref_state = tx.init(params), ref.init(params)
+  for step in range(3):
+    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.fold_in(key, step), x.shape),
+                         params)
+    updates, state = tx.update(grads, state, got)
+    ref_updates, ref_state = ref.update(grads, ref_state, want)
+    got, want = optax.apply_updates(got, updates), optax.apply_updates(want, ref_updates)
+  for k in params:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  assert not np.array_equal(got["kernel"], params["kernel"])
+
+
 def test_warmup_steps_then_cosine():
   c = lm_config("", num_train_steps=100, warmup_steps=10, learning_rate=1.0)
   lr = train.learning_rate_schedule(c, steps_per_epoch=7, num_steps=100)

@@ -168,6 +168,9 @@ class Memory(NamedTuple):
       gradient partial sums of ZeRO-2/3 and CDP+ZeRO).
     activations_peak: the most activation bytes alive at once.
     activations_mean: activation bytes alive, averaged over a steady-state step.
+    messages: a pipeline device's activation messages in flight: the boundary
+      it received (held from slot to slot), the one it computes, and the
+      permute's result.
   """
   params: float
   grads: float
@@ -175,6 +178,7 @@ class Memory(NamedTuple):
   buffers: float
   activations_peak: float
   activations_mean: float
+  messages: float = 0.0
 
   @property
   def model_states(self) -> float:
@@ -182,7 +186,7 @@ class Memory(NamedTuple):
 
   @property
   def peak(self) -> float:
-    return self.model_states + self.activations_peak
+    return self.model_states + self.activations_peak + self.messages
 
 
 class Cost(NamedTuple):
@@ -340,7 +344,8 @@ def grad_ready_peak(events, stage_param_bytes, num_workers: int, window: tuple) 
 
 
 def _memory_sum(memories: Sequence[Memory], total_peak: float, total_mean: float) -> Memory:
-  return Memory(*(sum(m[k] for m in memories) for k in range(4)), total_peak, total_mean)
+  return Memory(*(sum(m[k] for m in memories) for k in range(4)), total_peak, total_mean,
+                sum(m.messages for m in memories))
 
 
 def _busiest(memories: Sequence[Memory]) -> Memory:
@@ -441,10 +446,11 @@ def _recompute(w: Workload, j: int | None = None) -> float:
 
 
 def _stage_memory(w: Workload, j: int, versions: int, act_peak: float, act_mean: float) -> Memory:
-  """Device ``j`` of a pipeline; its backward adds the stage's recomputed residuals to the peak."""
+  """Device ``j`` of a pipeline; its backward adds the stage's recomputed residuals to the peak,
+  and it holds three messages of the largest boundary (`Memory.messages`)."""
   p = w.stage_param_bytes[j]
   return Memory(versions * p, p, w.optimizer_factor * p, 0.0, act_peak + _recompute(w, j),
-                act_mean)
+                act_mean, 3 * max(w.boundary_bytes, default=0.0))
 
 
 def dp_mp(n: int, w: Workload, net: Network = Network()) -> Cost:
