@@ -168,6 +168,14 @@ def tpu_plan_rows(data: dict) -> list[Row]:
   rows = [Row("points of the plan compiled", "all", f"{len(data['rows'])}"
               + (f"; not yet: {', '.join(missing)}" if missing else ""), not missing)]
   rows += [_info(f"{r['point']}: refused by the launcher", r["why"]) for r in refused]
+  big = data.get("largest_checked")
+  if big and "predicted_peak_GiB" in big:  # The cost model's largest transformer, compiled.
+    figure = (f"{_gib(big['compiled_peak_GiB'])}" if "compiled_peak_GiB" in big
+              else big["why"])
+    rows.append(Row(f"the cost model's largest transformer for {big['strategy']} on "
+                    f"{big['topology']} ({big['layers']} layers), compiled",
+                    f"fits {big['hbm_GiB']:.0f} GiB",
+                    f"{figure} (predicted {_gib(big['predicted_peak_GiB'])})", big["fits"]))
   by_model: dict[str, dict] = {}
   for r in data["rows"]:
     by_model.setdefault(f"{r['model']} {r['topology']}", {})[r["strategy"]] = r

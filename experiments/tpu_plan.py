@@ -516,12 +516,14 @@ def check_largest(out, name, c, largest, cached_only, workload_of) -> dict | Non
   compiled = compile_point(out, f"{name}-{layers}layers", c, strategy, topology, cached_only)
   if compiled is None:
     return None
-  hbm = compiled["hbm_per_chip_bytes"]
-  peak = peak_bytes(compiled)
-  return {"strategy": strategy, "topology": topology, "layers": layers,
-          "params_B": round(compiled["num_params"] / 1e9, 2), "compiled_peak_GiB": peak / (1 << 30),
-          "predicted_peak_GiB": predicted(strategy, c, workload_of(c))["peak_bytes"] / (1 << 30),
-          "hbm_GiB": hbm / (1 << 30), "fits": compiled["fits"]}
+  chip = aot.CHIP_HBM_BYTES[aot.parse_topology(topology)[0]]
+  found = {"strategy": strategy, "topology": topology, "layers": layers,
+           "predicted_peak_GiB": predicted(strategy, c, workload_of(c))["peak_bytes"] / (1 << 30),
+           "hbm_GiB": chip / (1 << 30)}
+  if "refused" in compiled:  # E.g. the compiler's own "does not fit".
+    return {**found, "fits": False, "why": compiled["refused"]}
+  return {**found, "params_B": round(compiled["num_params"] / 1e9, 2),
+          "compiled_peak_GiB": peak_bytes(compiled) / (1 << 30), "fits": compiled["fits"]}
 
 
 def print_table(rows):

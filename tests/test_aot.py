@@ -104,6 +104,19 @@ def test_bad_topology_and_mesh_are_refused():
     aot.build(_digits(num_workers=16, eval_batch_size=16), aot.topology_devices(TOPOLOGY))
 
 
+def test_a_step_past_the_chips_hbm_is_refused_with_the_fix():
+  """The TPU compiler's own out-of-memory becomes a ValueError that names the fix (tpu_plan
+  caches it as a refused point)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(aot.topology_devices(TOPOLOGY), ("chip",))
+  x = jax.ShapeDtypeStruct((70_000,), jnp.float32,
+                           sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  too_big = jax.jit(lambda x: jnp.cumsum(jnp.outer(x, x), axis=0))  # 18 GiB a 16 GiB chip.
+  with pytest.raises(ValueError, match="does not fit one chip.*Use fewer layers"):
+    aot.report(too_big.lower(x), TOPOLOGY)
+
+
 def test_dataset_shapes_match_the_datasets():
   assert aot.IMAGE_DATASETS["digits"] == (digits.Digits.num_classes, digits.Digits.image_shape)
 

@@ -204,6 +204,11 @@ def report(lowered, topology: str) -> dict:
     program = compile_uncached(lowered, {"xla_dump_to": dump})
     assignment = compiled.buffer_assignment(dump)
   except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
+    if "RESOURCE_EXHAUSTED" in str(e):
+      raise ValueError(f"The step does not fit one chip of {topology}: "
+                       f"{str(e).split('RESOURCE_EXHAUSTED: ')[-1].splitlines()[0]} Use fewer "
+                       "layers or rows per worker, or a strategy that holds less per chip "
+                       "(parallelism=model or zero).") from e
     if "should include all slice devices" not in str(e):
       raise
     raise ValueError(
