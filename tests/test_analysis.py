@@ -52,10 +52,10 @@ def test_activation_closed_forms(n, j):
   assert f.per_device.activations_peak == pytest.approx(min(n, j) / j)
   assert g.bubble == f.bubble == pytest.approx((j - 1) / (n + j - 1))
   assert g.step_slots == 2 * (n + j - 1)
-  # A pipeline device holds three messages of the largest boundary; data parallelism none.
-  boundary = max(w.boundary_bytes, default=0.0)
-  assert g.per_device.messages == f.per_device.messages == pytest.approx(3 * boundary)
-  assert g.per_device.peak == pytest.approx(g.per_device.model_states + n / j + 3 * boundary)
+  # A pipeline device holds a boundary and two stash rows in flight; data parallelism none.
+  flight = max(w.boundary_bytes, default=0.0) + 2 * max(w.stage_activation_bytes)
+  assert g.per_device.messages == f.per_device.messages == pytest.approx(flight)
+  assert g.per_device.peak == pytest.approx(g.per_device.model_states + n / j + flight)
   assert d.per_device.messages == v1.per_device.messages == 0.0
 
 

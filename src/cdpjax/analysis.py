@@ -168,9 +168,9 @@ class Memory(NamedTuple):
       gradient partial sums of ZeRO-2/3 and CDP+ZeRO).
     activations_peak: the most activation bytes alive at once.
     activations_mean: activation bytes alive, averaged over a steady-state step.
-    messages: a pipeline device's activation messages in flight: the boundary
-      it received (held from slot to slot), the one it computes, and the
-      permute's result.
+    messages: what a pipeline device holds in flight: the permute's result (a
+      boundary), and two stash rows, the one a backward reads (copied out for
+      the event's switch) and the one a forward writes (the switch's result).
   """
   params: float
   grads: float
@@ -447,10 +447,11 @@ def _recompute(w: Workload, j: int | None = None) -> float:
 
 def _stage_memory(w: Workload, j: int, versions: int, act_peak: float, act_mean: float) -> Memory:
   """Device ``j`` of a pipeline; its backward adds the stage's recomputed residuals to the peak,
-  and it holds three messages of the largest boundary (`Memory.messages`)."""
+  and it holds a boundary and two of the largest stash rows in flight (`Memory.messages`)."""
   p = w.stage_param_bytes[j]
+  messages = max(w.boundary_bytes, default=0.0) + 2 * max(w.stage_activation_bytes)
   return Memory(versions * p, p, w.optimizer_factor * p, 0.0, act_peak + _recompute(w, j),
-                act_mean, 3 * max(w.boundary_bytes, default=0.0))
+                act_mean, messages)
 
 
 def dp_mp(n: int, w: Workload, net: Network = Network()) -> Cost:
