@@ -95,19 +95,21 @@ def point_config(path, overrides, model_kwargs, strategy, chips, num_stages):
   return c
 
 
+def worker_loss(model, params, state, x, labels):
+  """One worker's training loss (the model state's update dropped)."""
+  from cdpjax import tasks  # pylint: disable=g-import-not-at-top
+  out = model.apply({"params": params, **state}, x, train=True, mutable=list(state) or False)
+  return tasks.cross_entropy(out[0] if state else out, labels)
+
+
 def residual_bytes(model, variables, batch_rows) -> float:
   """Bytes ``jax.vjp`` keeps from one worker's forward for its backward, parameters excluded."""
   import jax  # pylint: disable=g-import-not-at-top
-  from cdpjax import tasks  # pylint: disable=g-import-not-at-top
   params = variables["params"]
   state = {k: v for k, v in variables.items() if k != "params"}
 
   def backward_of(p, state, batch):
-    def loss(p):
-      out = model.apply({"params": p, **state}, batch["image"], train=True,
-                        mutable=list(state) or False)
-      return tasks.cross_entropy(out[0] if state else out, batch["label"])
-    return jax.vjp(loss, p)[1]
+    return jax.vjp(lambda p: worker_loss(model, p, state, batch["image"], batch["label"]), p)[1]
   leaves = jax.tree.leaves(jax.eval_shape(backward_of, params, state, batch_rows))
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   return max(0.0, sum(x.size * x.dtype.itemsize for x in leaves) - param_bytes)
@@ -226,7 +228,7 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from cdpjax import tasks, train  # pylint: disable=g-import-not-at-top
+  from cdpjax import train  # pylint: disable=g-import-not-at-top
   from cdpjax.executed import staged as staged_lib  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(aot.topology_devices(topology)), ("chip",))
   model, sample, batch = aot.model_and_batch(c)
@@ -249,18 +251,15 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
       return jax.tree.map(lambda a: a[None], out)
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * len(shared)
                                  + (P("chip"),) * len(own), out_specs=P("chip")))
-    lowered = step.lower(*same(shared), *(jax.tree.map(per_chip, a) for a in own))
-    m = aot.report(lowered, topology)["memory_per_chip"]["hbm_by_kind"]
-    out = jax.eval_shape(step, *same(shared), *(jax.tree.map(per_chip, a) for a in own))
+    args = (*same(shared), *(jax.tree.map(per_chip, a) for a in own))
+    m = aot.report(step.lower(*args), topology)["memory_per_chip"]["hbm_by_kind"]
+    out = jax.eval_shape(step, *args)
     extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out[0])) / mesh.size
     return m.get("temp", 0) + (extra if gradient else 0)
 
   if not executed:
     def grad(p, st, x, y):
-      def loss(p):
-        out = model.apply({"params": p, **st}, x, train=True, mutable=list(st) or False)
-        return tasks.cross_entropy(out[0] if st else out, y)
-      return (jax.grad(loss)(p),)
+      return (jax.grad(worker_loss, argnums=1)(model, p, st, x, y),)
     result = {"engine_bytes": heap(grad, (params, state), (rows["image"], rows["label"]))}
   else:
     staged = staged_lib.stage_model(model, params, train.model_stage_ids(c, model, params, sample),
@@ -555,17 +554,18 @@ def main(argv=None):
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
   rows, largest, missing, refused, workloads, checked = [], [], [], [], {}, None
+  calibrated_workloads = {}
 
   def measured(name, c, strategy, topology):
     """The workload of ``c`` with the compiler's activation terms (None if not calibrated)."""
     executed, pad = STRATEGIES[strategy][1] != "data", stage_pad(strategy, c)
     key = (name, topology, executed, pad, c.keep_activations)
-    if key not in workloads:
+    if key not in calibrated_workloads:
       found = calibration(out, name, c, topology, executed, pad, args.cached_only)
-      workloads[key] = found and workload(c, executed, pad, found)
+      calibrated_workloads[key] = found and workload(c, executed, pad, found)
       if not found:
         missing.append(f"{name} calibration for {strategy} {topology}")
-    return workloads[key]
+    return calibrated_workloads[key]
 
   def line_workload(strategy, topology):
     def of(c):
