@@ -190,7 +190,8 @@ def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
     recompute = ([stage_residual_bytes(staged, x_spec, rows["label"])] * J if measured is None
                  else measured["stage_transient_bytes"])
     return analysis.workload([4.0 * staged.param_size] * J, stash, J, optimizer_factor=k,
-                             boundary_bytes=act, recompute_bytes=recompute)
+                             boundary_bytes=act, recompute_bytes=recompute,
+                             transient_gradient=measured is not None)
   boundaries = [4.0 * sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
                 for spec in staged.boundary_specs(x_spec)[:-1]]
   activations = (residual_bytes(model, variables, rows) if measured is None

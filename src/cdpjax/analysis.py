@@ -47,12 +47,16 @@ class Workload(NamedTuple):
       They add to the per-device activation peak (a pipeline device: its
       stage's; a worker that runs every stage: the largest), not to the
       activations kept between a forward and its backward (means, totals).
+    transient_gradient: ``stage_recompute_bytes`` include the gradient the
+      stage's backward returns (a compiled calibration measures it so); the
+      ZeRO strategies then count no buffer of their own for it.
   """
   stage_param_bytes: tuple
   stage_activation_bytes: tuple
   boundary_bytes: tuple
   optimizer_factor: float
   stage_recompute_bytes: tuple = ()
+  transient_gradient: bool = False
 
   @property
   def num_stages(self) -> int:
@@ -77,7 +81,7 @@ def _per_stage(value, num_stages: int, name: str) -> tuple:
 
 
 def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor: float = 1.0,
-             boundary_bytes=None, recompute_bytes=0.0) -> Workload:
+             boundary_bytes=None, recompute_bytes=0.0, transient_gradient=False) -> Workload:
   """A ``Workload`` from totals (split evenly over stages) or per-stage sequences.
 
   Args:
@@ -91,6 +95,8 @@ def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor
     recompute_bytes: the transient residuals of a stage's forward recomputed
       in its backward, per micro-batch: a total split evenly, or ``J``
       numbers; 0 without recomputation.
+    transient_gradient: ``recompute_bytes`` include the backward's gradient
+      (`Workload.transient_gradient`).
   """
   if int(num_stages) != num_stages or num_stages < 1:
     raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
@@ -106,7 +112,8 @@ def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor
       raise ValueError(
           f"boundary_bytes has {len(boundary)} entries; need J - 1 = {num_stages - 1}.")
   recompute = _per_stage(recompute_bytes, num_stages, "recompute_bytes")
-  return Workload(params, acts, boundary, float(optimizer_factor), recompute)
+  return Workload(params, acts, boundary, float(optimizer_factor), recompute,
+                  bool(transient_gradient))
 
 
 class Network(NamedTuple):
@@ -371,7 +378,8 @@ def _data_parallel(name: str, rule, n: int, w: Workload, net: Network, *,
   params = params / n if shard >= 3 else params
   pmax = max(w.stage_param_bytes)
   grads = P / n if shard >= 2 else P
-  buffers = {0: 0.0, 1: 0.0, 2: pmax, 3: 2 * pmax}[shard]  # ZeRO-3: a stage's params + grads.
+  gradient = 0.0 if w.transient_gradient else pmax  # A stage's gradient before its scatter.
+  buffers = {0: 0.0, 1: 0.0, 2: gradient, 3: pmax + gradient}[shard]  # ZeRO-3: + a stage.
   memory = Memory(params, grads, k * P / n if shard >= 1 else k * P, buffers,
                   float(prof.peak.max()) + _recompute(w), float(prof.mean.max()))
   if shard == 0:
@@ -551,8 +559,9 @@ def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
   stage, each of the ``N-1`` non-owners receives the stage from the owner once
   for its forward and once for its backward, and sends the owner its
   gradient, ``3(N-1)`` point-to-point messages of ``P_j`` bytes. The owner
-  keeps the gradients' sum (``grads``); a device holds the stage it uses and
-  the gradient it sends (``buffers``). Its
+  keeps the gradients' sum (``grads``); a device holds the stage it uses, the
+  gradient it receives as owner and the one it sends (``buffers``; the sent one
+  in the transient where `Workload.transient_gradient`). Its
   ``Communication`` is the average device's. With ``replicas`` rings, each
   owner all-reduces its stage's gradient over them once per step (the average
   device: ``Psi_P / N``).
@@ -564,7 +573,8 @@ def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
                                   window, n)
   versions = 1 + schedule.max_delay(rule)  # The owner keeps D + 1 whole versions of its stage.
   pmax = max(w.stage_param_bytes)
-  memories = [Memory(versions * p, p, k * p, 2 * pmax, prof.peak[J - 1 - j] + _recompute(w),
+  buffers = (2 if w.transient_gradient else 3) * pmax
+  memories = [Memory(versions * p, p, k * p, buffers, prof.peak[J - 1 - j] + _recompute(w),
                      prof.mean[J - 1 - j])
               for j, p in enumerate(w.stage_param_bytes)]
   transfers = plan_lib.cyclic_transfers(schedule.resolve(rule, n, J))
