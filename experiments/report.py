@@ -173,7 +173,10 @@ def tpu_plan_rows(data: dict) -> list[Row]:
     figure = (f"{_gib(big['compiled_peak_GiB'])}" if "compiled_peak_GiB" in big
               else big["why"])
     rows.append(Row(f"the cost model's largest transformer for {big['strategy']} on "
-                    f"{big['topology']} ({big['layers']} layers), compiled",
+                    f"{big['topology']} ({big['layers']} layers"
+                    + (f"; the line from 4 and 8 layers: {big['line_layers']}"
+                       if big.get("line_layers", big["layers"]) != big["layers"] else "")
+                    + "), compiled",
                     f"fits {big['hbm_GiB']:.0f} GiB",
                     f"{figure} (predicted {_gib(big['predicted_peak_GiB'])})", big["fits"]))
   by_model: dict[str, dict] = {}
