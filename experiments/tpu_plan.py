@@ -181,7 +181,9 @@ def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
     k += FLAT_MASK.get(c.optimizer, 0.0)
     act_size = staged.act_size(x_spec)
     act = 4.0 * act_size
-    stash = [act] * J  # A stash row per micro-batch: a stage's input, padded to the largest;
+    stash = [act] * J  # A stash row per micro-batch: a stage's input, padded to the largest
+    if c.parallelism == "zero":  # (a ZeRO worker runs every stage: its first reads the batch);
+      stash[0] = 0.0
     if c.keep_activations:  # kept: what a backward needs (the largest stage's), the first
       flat = lambda size: jax.ShapeDtypeStruct((size,), jnp.float32)  # stage recomputing.
       kept = 4.0 * staged.kept_size(flat(staged.param_size), flat(staged.state_size),
@@ -577,7 +579,7 @@ def main(argv=None):
   def measured(name, c, strategy, topology):
     """The workload of ``c`` with the compiler's activation terms (None if not calibrated)."""
     executed, pad = STRATEGIES[strategy][1] != "data", stage_pad(strategy, c)
-    key = (name, topology, executed, pad, c.keep_activations)
+    key = (name, topology, c.parallelism, pad, c.keep_activations)
     if key not in calibrated_workloads:
       found = calibration(out, name, c, topology, executed, pad, args.cached_only)
       calibrated_workloads[key] = found and workload(c, executed, pad, found)
@@ -623,9 +625,10 @@ def main(argv=None):
       if "refused" in compiled:
         refused.append({"point": f"{name} {strategy} {topology}", "why": compiled["refused"]})
         continue
-      key = (name, STRATEGIES[strategy][1] != "data", stage_pad(strategy, c), c.keep_activations)
+      executed = STRATEGIES[strategy][1] != "data"
+      key = (name, c.parallelism, stage_pad(strategy, c), c.keep_activations)
       if key not in workloads:
-        workloads[key] = workload(c, *key[1:3])
+        workloads[key] = workload(c, executed, key[2])
       shapes = predicted(strategy, c, workloads[key])
       calibrated = measured(name, c, strategy, topology)
       rows.append(row(name, strategy, topology, compiled,

@@ -224,9 +224,12 @@ class _Carry(NamedTuple):
   acc_Q: Any         # The owned stage's gradient messages of the step (and its next model
                      # state, DC-ASGD's sums), summed until its update.
   state_2x2M: Any    # Forward model-state messages: the state read, the sum of new ones.
-  h_A: Any
-  cot_A: Any
-  stash_JxA: Any     # Each stage's input of the micro-batch in flight.
+  boundary_A: Any    # A forward's output for the next forward, a backward's cotangent for the
+                     # next backward: a worker never needs both (the last stage's output is
+                     # its loss, its backward starts from the loss).
+  stash_IA: Any      # The input of each stage but the first (it reads the batch) of the
+                     # micro-batch in flight, stage j's at [(j-1)A, jA): flat, since the TPU
+                     # pads an [I, A] array's rows to a multiple of 4.
   stash_JxM: Any     # The model state each stage's forward read.
   next_JxM: Any      # Worker N-1: each stage's next model state, for the final gradient.
   stats_3xK: Any     # Per step: the loss, the owned stage's squared gradient and parameter norms.
@@ -320,7 +323,7 @@ def _branches(staged: StagedModel, ring: Ring):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
   Operands ``(carry, event, received_H, state_2M, me, x, labels)``, ``received_H`` the
-  stage and its model state (``H = P + M``); results ``(h, cot, stash_JxA, stash_JxM,
+  stage and its model state (``H = P + M``); results ``(boundary, stash_IA, stash_JxM,
   next_JxM, head_H, tail_E, state_2M, loss)``: a backward's gradient message is ``head_H``
   (the gradient, the next model state) then ``tail_E`` (DC-ASGD's squares). Elsewhere
   ``head_H`` is ``received_H`` passed through and ``tail_E`` zeros: no worker outside a
@@ -328,40 +331,49 @@ def _branches(staged: StagedModel, ring: Ring):
   stage received, which a backward no longer reads once it has its leaves. A result of
   zeros would hold a stage-sized buffer of its own through every branch (the TPU compiler
   keeps a conditional's result in one place across its branches): 0.3 GiB of heap on the
-  1B transformer (BENCHMARKS.md, "Pod plan").
+  1B transformer (BENCHMARKS.md, "Pod plan"). The stage functions read ``received_H``
+  whole (its leaves lie at its start) and a backward's gradient is ``H`` long, its
+  model-state part then set: a slice ``[:P]`` would be a copy of the stage.
   """
   size_p, size_m, last = ring.size_p, ring.size_m, ring.num_workers - 1
   size_e = ring.size_q - size_p - size_m
 
+  def stash_row(j, size):  # Stage j's input in the stash (stage 0's, never read, at 0).
+    return (jnp.maximum(j - 1, 0) * size,)
+
   def idle(ops):
     c, received = ops[0], ops[2]
-    return ring.vary((c.h_A, c.cot_A, c.stash_JxA, c.stash_JxM, c.next_JxM, received,
+    return ring.vary((c.boundary_A, c.stash_IA, c.stash_JxM, c.next_JxM, received,
                       jnp.zeros((size_e,), jnp.float32), jnp.zeros((2 * size_m,), jnp.float32),
                       jnp.zeros((), jnp.float32)))
 
   def forward(ops):
     c, ev, received, state, me, x, labels = ops
     j, read = ev["stage"], state[:size_m]
-    h, loss, new_state = staged.apply(j, received[:size_p], read, c.h_A, x, labels)
+    h, loss, new_state = staged.apply(j, received, read, c.boundary_A, x, labels)
     total = state[size_m:] + new_state
     mean = total / ring.num_workers
     # Worker N-1 closes the sum: the state of step t+1 goes on to the next step and the owner.
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
-    return ring.vary((h, c.cot_A, c.stash_JxA.at[j].set(c.h_A), c.stash_JxM.at[j].set(read),
+    stash = jax.lax.dynamic_update_slice(c.stash_IA, c.boundary_A,
+                                         stash_row(j, c.boundary_A.size))
+    return ring.vary((h, stash, c.stash_JxM.at[j].set(read),
                       c.next_JxM.at[j].set(mean), received, jnp.zeros((size_e,), jnp.float32),
                       msg, loss))
 
   def backward(ops):
     c, ev, received, _, me, x, labels = ops
     j = ev["stage"]
-    grads, cot = staged.vjp(j, received[:size_p], c.stash_JxM[j], c.stash_JxA[j], x, labels,
-                            c.cot_A)
+    size_a = c.boundary_A.size
+    h_in = jax.lax.dynamic_slice(c.stash_IA, stash_row(j, size_a), (size_a,))
+    grads, cot = staged.vjp(j, received, c.stash_JxM[j], h_in, x, labels, c.boundary_A)
     next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
     # DC-ASGD: the owner adds dc_lambda * g * g * (theta_t - theta_read) per delay d.
-    squares = [jnp.where(ev["delay"] == d, grads * grads, 0.0) for d in ring.dc_delays]
-    return ring.vary((c.h_A, cot, c.stash_JxA, c.stash_JxM, c.next_JxM,
-                      jnp.concatenate([grads, next_state]),
+    squares = [jnp.where(ev["delay"] == d, grads[:size_p] * grads[:size_p], 0.0)
+               for d in ring.dc_delays]
+    return ring.vary((cot, c.stash_IA, c.stash_JxM, c.next_JxM,
+                      jax.lax.dynamic_update_slice(grads, next_state, (size_p,)),
                       jnp.concatenate(squares) if squares else jnp.zeros((0,), jnp.float32),
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
@@ -401,7 +413,7 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
       state = jnp.where(ev["state_ring"] == 1, ring.route(
           ("state", "ring"), slot, param_in[0], lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
-    h, cot, stash, stash_m, next_m, head, tail, msg, loss = jax.lax.switch(
+    boundary, stash, stash_m, next_m, head, tail, msg, loss = jax.lax.switch(
         ev["kind"], branches, (c, ev, received, state, me, x, labels))
     # A backward's gradient goes to the owner (zeros elsewhere); the owner's own is added here.
     message = jnp.concatenate([head, tail]) if tail.size else head
@@ -409,8 +421,8 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
     own = local & (ev["kind"] == plan_lib.BWD)
     acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q) + grads_in + jnp.where(own, message, 0.0)
     return c._replace(
-        acc_Q=acc, state_2x2M=c.state_2x2M.at[slot % 2].set(msg), h_A=h, cot_A=cot,
-        stash_JxA=stash, stash_JxM=stash_m, next_JxM=next_m,
+        acc_Q=acc, state_2x2M=c.state_2x2M.at[slot % 2].set(msg), boundary_A=boundary,
+        stash_IA=stash, stash_JxM=stash_m, next_JxM=next_m,
         stats_3xK=c.stats_3xK.at[0, ev["step"]].add(loss)), None
 
   def body(state: StagedState, batch):
@@ -425,8 +437,9 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
         head=ring.vary(jnp.zeros((), jnp.int32), state=True),
         opt_state=ring.vary(jax.tree.map(lambda a: a[0], state.opt_state), state=True),
         model_state_M=ring.vary(model_state[0], state=True), acc_Q=zeros(ring.size_q),
-        state_2x2M=zeros(2, 2 * size_m), h_A=zeros(act), cot_A=zeros(act),
-        stash_JxA=zeros(ring.num_workers, act), stash_JxM=zeros(ring.num_workers, size_m),
+        state_2x2M=zeros(2, 2 * size_m), boundary_A=zeros(act),
+        stash_IA=zeros(max(ring.num_workers - 1, 1) * act),
+        stash_JxM=zeros(ring.num_workers, size_m),
         next_JxM=zeros(ring.num_workers, size_m), stats_3xK=zeros(3, num_steps))
     carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, me, x, labels, state.step), carry,
                             jnp.arange(plan.num_slots))
