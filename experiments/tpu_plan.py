@@ -177,6 +177,7 @@ def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
   x_spec = rows["image"]
   k = OPTIMIZER_FACTOR[c.optimizer]
   J = staged.num_stages
+  inputs = float(sum(math.prod(v.shape) * v.dtype.itemsize for v in rows.values()))
   if executed:
     k += FLAT_MASK.get(c.optimizer, 0.0)
     act_size = staged.act_size(x_spec)
@@ -193,13 +194,13 @@ def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
                  else measured["stage_transient_bytes"])
     return analysis.workload([4.0 * staged.param_size] * J, stash, J, optimizer_factor=k,
                              boundary_bytes=act, recompute_bytes=recompute,
-                             transient_gradient=measured is not None)
+                             transient_gradient=measured is not None, input_bytes=inputs)
   boundaries = [4.0 * sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
                 for spec in staged.boundary_specs(x_spec)[:-1]]
   activations = (residual_bytes(model, variables, rows) if measured is None
                  else measured["engine_bytes"])
   return analysis.workload([4.0 * s for s in staged.stage_param_sizes()], activations, J,
-                           optimizer_factor=k, boundary_bytes=boundaries)
+                           optimizer_factor=k, boundary_bytes=boundaries, input_bytes=inputs)
 
 
 def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,

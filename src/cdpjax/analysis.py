@@ -50,6 +50,8 @@ class Workload(NamedTuple):
     transient_gradient: ``stage_recompute_bytes`` include the gradient the
       stage's backward returns (a compiled calibration measures it so); the
       ZeRO strategies then count no buffer of their own for it.
+    input_bytes: a micro-batch's input rows and labels, which a device holds
+      for the step (a pipeline device, its pipeline's ``N`` micro-batches).
   """
   stage_param_bytes: tuple
   stage_activation_bytes: tuple
@@ -57,6 +59,7 @@ class Workload(NamedTuple):
   optimizer_factor: float
   stage_recompute_bytes: tuple = ()
   transient_gradient: bool = False
+  input_bytes: float = 0.0
 
   @property
   def num_stages(self) -> int:
@@ -81,7 +84,8 @@ def _per_stage(value, num_stages: int, name: str) -> tuple:
 
 
 def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor: float = 1.0,
-             boundary_bytes=None, recompute_bytes=0.0, transient_gradient=False) -> Workload:
+             boundary_bytes=None, recompute_bytes=0.0, transient_gradient=False,
+             input_bytes=0.0) -> Workload:
   """A ``Workload`` from totals (split evenly over stages) or per-stage sequences.
 
   Args:
@@ -97,6 +101,7 @@ def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor
       numbers; 0 without recomputation.
     transient_gradient: ``recompute_bytes`` include the backward's gradient
       (`Workload.transient_gradient`).
+    input_bytes: a micro-batch's input rows and labels (`Workload.input_bytes`).
   """
   if int(num_stages) != num_stages or num_stages < 1:
     raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
@@ -113,7 +118,7 @@ def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor
           f"boundary_bytes has {len(boundary)} entries; need J - 1 = {num_stages - 1}.")
   recompute = _per_stage(recompute_bytes, num_stages, "recompute_bytes")
   return Workload(params, acts, boundary, float(optimizer_factor), recompute,
-                  bool(transient_gradient))
+                  bool(transient_gradient), float(input_bytes))
 
 
 class Network(NamedTuple):
@@ -177,7 +182,10 @@ class Memory(NamedTuple):
     activations_mean: activation bytes alive, averaged over a steady-state step.
     messages: what a pipeline device holds in flight: the permute's result (a
       boundary), and two stash rows, the one a backward reads (copied out for
-      the event's switch) and the one a forward writes (the switch's result).
+      the event's switch) and the one a forward writes (the switch's result);
+      a ZeRO-3 worker, the cotangent a stage's backward receives; a CDP+ZeRO
+      worker, that boundary carry and the stash row a backward reads.
+    inputs: the batch rows (inputs and labels) the device holds for the step.
   """
   params: float
   grads: float
@@ -186,6 +194,7 @@ class Memory(NamedTuple):
   activations_peak: float
   activations_mean: float
   messages: float = 0.0
+  inputs: float = 0.0
 
   @property
   def model_states(self) -> float:
@@ -193,7 +202,7 @@ class Memory(NamedTuple):
 
   @property
   def peak(self) -> float:
-    return self.model_states + self.activations_peak + self.messages
+    return self.model_states + self.activations_peak + self.messages + self.inputs
 
 
 class Cost(NamedTuple):
@@ -352,7 +361,7 @@ def grad_ready_peak(events, stage_param_bytes, num_workers: int, window: tuple) 
 
 def _memory_sum(memories: Sequence[Memory], total_peak: float, total_mean: float) -> Memory:
   return Memory(*(sum(m[k] for m in memories) for k in range(4)), total_peak, total_mean,
-                sum(m.messages for m in memories))
+                sum(m.messages for m in memories), sum(m.inputs for m in memories))
 
 
 def _busiest(memories: Sequence[Memory]) -> Memory:
@@ -380,8 +389,10 @@ def _data_parallel(name: str, rule, n: int, w: Workload, net: Network, *,
   grads = P / n if shard >= 2 else P
   gradient = 0.0 if w.transient_gradient else pmax  # A stage's gradient before its scatter.
   buffers = {0: 0.0, 1: 0.0, 2: gradient, 3: pmax + gradient}[shard]  # ZeRO-3: + a stage.
+  boundary = max(w.boundary_bytes, default=0.0) if shard >= 3 else 0.0  # Stage by stage.
   memory = Memory(params, grads, k * P / n if shard >= 1 else k * P, buffers,
-                  float(prof.peak.max()) + _recompute(w), float(prof.mean.max()))
+                  float(prof.peak.max()) + _recompute(w), float(prof.mean.max()), boundary,
+                  w.input_bytes)
   if shard == 0:
     comms = (Communication(
         "all-reduce", "gradients", n, J, P, 2 * (n - 1) / n * P, 2 * (n - 1) * P,
@@ -453,13 +464,15 @@ def _recompute(w: Workload, j: int | None = None) -> float:
   return w.stage_recompute_bytes[j]
 
 
-def _stage_memory(w: Workload, j: int, versions: int, act_peak: float, act_mean: float) -> Memory:
+def _stage_memory(w: Workload, j: int, versions: int, act_peak: float, act_mean: float,
+                  micro_batches: int) -> Memory:
   """Device ``j`` of a pipeline; its backward adds the stage's recomputed residuals to the peak,
-  and it holds a boundary and two of the largest stash rows in flight (`Memory.messages`)."""
+  and it holds a boundary and two of the largest stash rows in flight (`Memory.messages`), and
+  its pipeline's ``micro_batches`` of input rows."""
   p = w.stage_param_bytes[j]
   messages = max(w.boundary_bytes, default=0.0) + 2 * max(w.stage_activation_bytes)
   return Memory(versions * p, p, w.optimizer_factor * p, 0.0, act_peak + _recompute(w, j),
-                act_mean, messages)
+                act_mean, messages, micro_batches * w.input_bytes)
 
 
 def dp_mp(n: int, w: Workload, net: Network = Network()) -> Cost:
@@ -468,7 +481,7 @@ def dp_mp(n: int, w: Workload, net: Network = Network()) -> Cost:
   events, window = _steady_timeline("dp", n, J)
   prof = activation_bytes_profile(events, w.stage_activation_bytes,
                                   lambda e: e.worker * J + e.stage, n * J, window, n)
-  memories = [_stage_memory(w, j, 1, prof.peak[i * J + j], prof.mean[i * J + j])
+  memories = [_stage_memory(w, j, 1, prof.peak[i * J + j], prof.mean[i * J + j], 1)
               for i in range(n) for j in range(J)]
   pmax = max(w.stage_param_bytes)
   comms = (Communication("all-reduce", "gradients", n, 1, pmax, 2 * (n - 1) / n * pmax,
@@ -504,7 +517,7 @@ def _flushed_pipeline(name: str, events, n: int, w: Workload, net: Network) -> C
   length = int(max(e.slot for e in events)) + 1
   prof = activation_bytes_profile(events, w.stage_activation_bytes, lambda e: e.stage, J,
                                   (0, length), 1)
-  memories = [_stage_memory(w, j, 1, prof.peak[j], prof.mean[j]) for j in range(J)]
+  memories = [_stage_memory(w, j, 1, prof.peak[j], prof.mean[j], n) for j in range(J)]
   return Cost(name, J, _busiest(memories), _memory_sum(memories, prof.total_peak, prof.total_mean),
               (_p2p(n, w, net, 1),), None, length, 1 - 2 * n / length, 0, 0.0)
 
@@ -544,7 +557,7 @@ def cdp_mp(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
                                   window, n)
   # Device j's ring buffer holds D + 1 whole versions of its stage, stale or not.
   versions = 1 + schedule.max_delay(rule)
-  memories = [_stage_memory(w, j, versions, prof.peak[j], prof.mean[j]) for j in range(J)]
+  memories = [_stage_memory(w, j, versions, prof.peak[j], prof.mean[j], n) for j in range(J)]
   c = Cost("cdp+mp", J, _busiest(memories),
            _memory_sum(memories, prof.total_peak, prof.total_mean),
            (_p2p(n, w, net, 1),), None, 2 * J, 0.0, *_staleness(rule, n, J))
@@ -574,8 +587,9 @@ def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
   versions = 1 + schedule.max_delay(rule)  # The owner keeps D + 1 whole versions of its stage.
   pmax = max(w.stage_param_bytes)
   buffers = (2 if w.transient_gradient else 3) * pmax
+  messages = max(w.boundary_bytes, default=0.0) + max(w.stage_activation_bytes)
   memories = [Memory(versions * p, p, k * p, buffers, prof.peak[J - 1 - j] + _recompute(w),
-                     prof.mean[J - 1 - j])
+                     prof.mean[J - 1 - j], messages, w.input_bytes)
               for j, p in enumerate(w.stage_param_bytes)]
   transfers = plan_lib.cyclic_transfers(schedule.resolve(rule, n, J))
   hops = len(transfers) // n  # Messages per step received by the average device.
