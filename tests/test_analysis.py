@@ -59,6 +59,25 @@ def test_activation_closed_forms(n, j):
   assert d.per_device.messages == v1.per_device.messages == 0.0
 
 
+def test_inputs_boundaries_and_gradients_held_per_device():
+  """A pipeline device holds its pipeline's N micro-batches of rows, a worker its own; a
+  ZeRO-3 backward holds a cotangent, a CDP+ZeRO worker its boundary carry and a stash row; a
+  gradient counted in a calibrated transient is not counted again as a ZeRO buffer."""
+  w = analysis.workload(8.0, 4.0, J, boundary_bytes=2.0, recompute_bytes=16.0, input_bytes=3.0)
+  costs = {s: analysis.cost(s, N, w).per_device for s in ("dp", "gpipe", "cdp+mp", "zero-3",
+                                                         "cdp+zero")}
+  assert costs["dp"].inputs == costs["zero-3"].inputs == costs["cdp+zero"].inputs == 3.0
+  assert costs["gpipe"].inputs == costs["cdp+mp"].inputs == N * 3.0
+  assert (costs["dp"].messages, costs["zero-3"].messages, costs["cdp+zero"].messages) == (
+      0.0, 2.0, 2.0 + 1.0)
+  assert costs["gpipe"].peak == pytest.approx(
+      sum(costs["gpipe"][:4]) + costs["gpipe"].activations_peak + costs["gpipe"].messages + N * 3)
+  calibrated = w._replace(transient_gradient=True)
+  for strategy, stage_buffers in (("zero-3", 1), ("cdp+zero", 2)):
+    assert costs[strategy].buffers == (stage_buffers + 1) * 2.0  # A stage is 8 / J = 2.
+    assert analysis.cost(strategy, N, calibrated).per_device.buffers == stage_buffers * 2.0
+
+
 def test_weighted_profile_matches_schedule_activation_profile():
   events = schedule.timeline("cdp-v2", 4, 3, 3)
   counted = schedule.activation_profile(events, 4, 3)
