@@ -123,7 +123,8 @@ def test_cyclic_step_has_only_collective_permutes_matching_the_plan():
   assert {c.kind for c in found} == {"collective-permute"}
   pairs = {p for c in found for p in c.source_target_pairs}
   transfers = plan.zero_plan(schedule.delay_matrix("cdp-v2", 2, 2), 2).transfers
-  assert pairs == {(t.src, t.dst) for t in transfers}
+  # The messages, and the owners' own uses as pairs (o, o) of the stage permute.
+  assert pairs == {(t.src, t.dst) for t in transfers} | {(0, 0), (1, 1)}
 
 
 def test_replicated_ring_adds_one_all_reduce_over_replicas():
@@ -149,7 +150,8 @@ def test_one_collective_permute_per_route_and_pair_list():
 def test_each_use_gets_its_version_from_the_owner_and_each_gradient_goes_to_it(rule,
                                                                               num_workers):
   """Per slot: a stage has one user at most; its owner sends it the version it reads, and
-  its backward's gradient goes back to the owner; the owner's own uses send nothing."""
+  its backward's gradient goes back to the owner; the owner's own uses are no message, but
+  pairs (o, o) of the stage permute."""
   delays = schedule.delay_matrix(rule, num_workers, num_workers)
   zero_plan = plan.zero_plan(delays, 3)
   expected = Counter()
@@ -165,6 +167,12 @@ def test_each_use_gets_its_version_from_the_owner_and_each_gradient_goes_to_it(r
   sent = Counter((t.slot, t.kind, t.src, t.dst, t.stage, t.delay)
                  for t in zero_plan.transfers if t.kind != "state")
   assert sent == expected
+  # The stage permute also carries each of the owner's own uses, as a pair (o, o).
+  index, pair_lists = zero_plan.routes("param", "owner")
+  for s, i in zip(*np.nonzero(zero_plan.kind != plan.IDLE)):
+    pairs = pair_lists[index[s]]
+    assert (zero_plan.source[s, i] == plan.LOCAL) == ((i, i) in pairs)
+    assert sum(dst == i for _, dst in pairs) == 1
   for route in plan.ROUTES:  # One permutation a slot and route (`routes` asserts it).
     index, pair_lists = zero_plan.routes(*route)
     assert len(pair_lists) > 1 and (index > 0).any()

@@ -263,12 +263,19 @@ class ZeroPlan(NamedTuple):
     """Per slot, which of the distinct pair lists the messages of ``(kind, route)`` use.
 
     Returns ``(index [S], pair lists)``; list 0 is empty (no message). Each
-    list has distinct sources and targets: one ``ppermute``.
+    list has distinct sources and targets: one ``ppermute``. The stage
+    messages also carry an owner's own use as a pair ``(o, o)`` (a copy on the
+    device, no link): the permute's result is then the stage every user reads,
+    where a select between it and the owner's would be a stage-sized buffer of
+    its own (measured on the TPU: docs/design_notes.md).
     """
     by_slot = defaultdict(set)
     for t in self.transfers:
       if (t.kind, t.route) == (kind, route):
         by_slot[t.slot].add((t.src, t.dst))
+    if (kind, route) == ("param", "owner"):
+      for slot, i in zip(*np.nonzero((self.source == LOCAL) & (self.kind != IDLE))):
+        by_slot[int(slot)].add((int(i), int(i)))
     lists, index = [()], np.zeros(self.num_slots, np.int32)
     for slot, pairs in sorted(by_slot.items()):
       pairs = tuple(sorted(pairs))

@@ -13,7 +13,8 @@ call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
 `plan.zero_plan`. At any slot a stage is used by at most one worker, so:
 
 - The owner sends the version the rule prescribes straight to the worker that
-  uses it, just in time: the slot's stage messages are one ``lax.ppermute``
+  uses it, just in time: the slot's stage messages (and the owner's own use, a
+  pair ``(o, o)``) are one ``lax.ppermute``
   (a ``lax.switch`` over the plan's distinct pair lists), and no worker holds
   a stage it is not using. Forward and backward each receive the stage once:
   no worker keeps a stage from its forward to its backward (ZeRO-3 gathers
@@ -402,16 +403,16 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
     c = jax.lax.cond(ev["update"] == 1,
                      lambda acc, c: _update(ring, tx, rule, acc, c, ev["update_step"], first_step),
                      lambda acc, c: c, c.acc_Q, c._replace(acc_Q=None))._replace(acc_Q=c.acc_Q)
-    # The owner reads the version this slot's user of its stage needs: sent, or its own.
+    # The owner reads the version this slot's user of its stage needs and sends it, to itself
+    # for its own use (`plan.ZeroPlan.routes`).
     served = ring.vary(_read(c, ev["serve_version"], ev["serve_delay"], rule.predict))
-    param_in = ring.route(("param", "owner"), slot, None, lambda *m: jnp.concatenate(m),
+    received = ring.route(("param", "owner"), slot, None, lambda *m: jnp.concatenate(m),
                           served, ring.vary(c.model_state_M))
     local = ev["source"] == plan_lib.LOCAL
-    received = jnp.where(local, jnp.concatenate([served, c.model_state_M]), param_in)
     state = jnp.concatenate([received[size_p:], jnp.zeros((size_m,), jnp.float32)])
     if size_m:  # After the stage messages, which devices must not order apart (`device.after`).
       state = jnp.where(ev["state_ring"] == 1, ring.route(
-          ("state", "ring"), slot, param_in[0], lambda m: m[slot % 2], c.state_2x2M), state)
+          ("state", "ring"), slot, received[0], lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
     boundary, stash, stash_m, next_m, head, tail, msg, loss = jax.lax.switch(
         ev["kind"], branches, (c, ev, received, state, me, x, labels))
