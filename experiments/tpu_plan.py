@@ -292,8 +292,13 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
   return result
 
 
-def executed_permutes(strategy: str, c) -> int:
-  """``collective-permute``s one chip executes in a one-step call of an executed timetable.
+LONG_CALL_STEPS = 64
+"""The steps of a long call, whose fill and drain are amortized (the cost model's figure)."""
+
+
+def executed_permutes(strategy: str, c, num_steps: int = 1) -> float:
+  """``collective-permute``s one chip executes per step of a ``num_steps``-step call of an
+  executed timetable (the compiled points: one step per call).
 
   Every chip runs the same slot body (one SPMD program), so a permute whose
   pair list is not empty at a slot executes on every chip, idle ones included,
@@ -307,14 +312,14 @@ def executed_permutes(strategy: str, c) -> int:
   from cdpjax.executed import plan as plan_lib  # pylint: disable=g-import-not-at-top
   J, N = c.num_stages, c.num_workers
   strategy = base(strategy)
-  if strategy == "gpipe":
+  if strategy == "gpipe":  # A flush every step.
     return 2 * (N + J - 1) if J > 1 else 0
   if strategy == "cdp+mp":
-    slots = plan_lib.cyclic_slots(J, 1)
-    return sum(bool(plan_lib.swap_pairs(J, slot % 2)) for slot in range(slots))
+    slots = plan_lib.cyclic_slots(J, num_steps)
+    return sum(bool(plan_lib.swap_pairs(J, slot % 2)) for slot in range(slots)) / num_steps
   if strategy == "cdp+zero":
-    zero_plan = plan_lib.zero_plan(schedule.resolve(STRATEGIES[strategy][0], N, J))
-    return zero_plan.num_permutes(model_states=False)
+    zero_plan = plan_lib.zero_plan(schedule.resolve(STRATEGIES[strategy][0], N, J), num_steps)
+    return zero_plan.num_permutes(model_states=False) / num_steps
   raise ValueError(f"{strategy} is not an executed timetable with permutes.")
 
 
@@ -349,8 +354,9 @@ def reduce_scatter_lowering(topology: str = "v5e:2x4") -> list[dict]:
   return rows
 
 
-def tpu_result_bytes(strategy: str, c, w, comm) -> float:
-  """Result bytes per step of one ``analysis.Communication``, as the compiled TPU program has them.
+def tpu_result_bytes(strategy: str, c, w, comm, num_steps: int = 1) -> float:
+  """Result bytes per step of one ``analysis.Communication``, as the compiled TPU program has
+  them in a ``num_steps``-step call.
 
   The executed timetables' permutes run at every slot whose pair list is not
   empty, on every chip (`executed_permutes`), each of one padded boundary
@@ -362,7 +368,7 @@ def tpu_result_bytes(strategy: str, c, w, comm) -> float:
   """
   if comm.kind == "p2p":
     message = max(w.boundary_bytes) if comm.what == "activations" else max(w.stage_param_bytes)
-    return executed_permutes(strategy, c) * message
+    return executed_permutes(strategy, c, num_steps) * message
   return comm.payload_bytes
 
 
@@ -384,6 +390,8 @@ def predicted(strategy: str, c, w=None) -> dict:
           "activations_bytes": m.activations_peak,
           "recompute_bytes": max(w.stage_recompute_bytes, default=0.0),
           "collective_bytes": sum(tpu_result_bytes(strategy, c, w, x) for x in cost.communication),
+          "long_call_collective_bytes": sum(tpu_result_bytes(strategy, c, w, x, LONG_CALL_STEPS)
+                                            for x in cost.communication),
           "algorithm_collective_bytes": sum(x.payload_bytes for x in cost.communication),
           "workload": {"param_bytes": w.param_bytes, "activation_bytes": w.activation_bytes,
                        "optimizer_factor": w.optimizer_factor},
@@ -460,6 +468,8 @@ def row(name, strategy, topology, compiled, prediction, shapes, calibrated: bool
       "static_collective_MiB": sum(x["bytes"] for x in found) / mib, "per_step": per_step,
       "collective_MiB_min": comm["min"] / mib, "collective_MiB_max": comm["max"] / mib,
       "model_collective_MiB": model / mib,
+      "model_long_call_collective_MiB": prediction["long_call_collective_bytes"] / mib,
+      "long_call_steps": LONG_CALL_STEPS,
       "algorithm_collective_MiB": prediction["algorithm_collective_bytes"] / mib,
       "collective_ratio_min": comm["min"] / model if model else float("nan"),
       "collective_ratio_max": comm["max"] / model if model else float("nan"),
