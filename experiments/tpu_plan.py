@@ -182,11 +182,12 @@ def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
     k += FLAT_MASK.get(c.optimizer, 0.0)
     act_size = staged.act_size(x_spec)
     act = 4.0 * act_size
-    stash = [act] * J  # A stash row per micro-batch: a stage's input, padded to the largest
-    if c.parallelism == "zero":  # (a ZeRO worker runs every stage: its first reads the batch);
-      stash[0] = 0.0
-    if c.keep_activations:  # kept: what a backward needs (the largest stage's), the first
-      flat = lambda size: jax.ShapeDtypeStruct((size,), jnp.float32)  # stage recomputing.
+    # A stash row per micro-batch: a stage's input, padded to the largest; a ZeRO worker runs
+    # every stage, and its first reads the batch. Kept: what a backward needs (the largest
+    # stage's), the first stage recomputing.
+    stash = [0.0 if c.parallelism == "zero" else act] + [act] * (J - 1)
+    if c.keep_activations:
+      flat = lambda size: jax.ShapeDtypeStruct((size,), jnp.float32)
       kept = 4.0 * staged.kept_size(flat(staged.param_size), flat(staged.state_size),
                                     flat(act_size), x_spec, rows["label"])
       stash = [0.0] + [kept] * (J - 1)
@@ -387,6 +388,7 @@ def predicted(strategy: str, c, w=None) -> dict:
   m = cost.per_device
   return {"peak_bytes": m.peak, "params_bytes": m.params, "grads_bytes": m.grads,
           "optimizer_bytes": m.optimizer, "buffers_bytes": m.buffers, "messages_bytes": m.messages,
+          "inputs_bytes": m.inputs,
           "activations_bytes": m.activations_peak,
           "recompute_bytes": max(w.stage_recompute_bytes, default=0.0),
           "collective_bytes": sum(tpu_result_bytes(strategy, c, w, x) for x in cost.communication),
@@ -636,10 +638,10 @@ def main(argv=None):
       if "refused" in compiled:
         refused.append({"point": f"{name} {strategy} {topology}", "why": compiled["refused"]})
         continue
-      executed = STRATEGIES[strategy][1] != "data"
-      key = (name, c.parallelism, stage_pad(strategy, c), c.keep_activations)
+      pad = stage_pad(strategy, c)
+      key = (name, c.parallelism, pad, c.keep_activations)
       if key not in workloads:
-        workloads[key] = workload(c, executed, key[2])
+        workloads[key] = workload(c, STRATEGIES[strategy][1] != "data", pad)
       shapes = predicted(strategy, c, workloads[key])
       calibrated = measured(name, c, strategy, topology)
       rows.append(row(name, strategy, topology, compiled,
