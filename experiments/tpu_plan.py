@@ -147,11 +147,21 @@ def stage_pad(strategy: str, c) -> int:
   return device.TPU_TILE if STRATEGIES[strategy][1] == "model" else 1
 
 
+def stage_bytes(c, staged) -> list[float]:
+  """The bytes of each stage as an executed timetable of ``c`` holds and moves it: ZeRO-3 its
+  shards of each stage (`zero.shard_sizes`), the others a buffer of the largest stage's size."""
+  from cdpjax.executed import zero  # pylint: disable=g-import-not-at-top
+  if c.parallelism == "zero" and c.rule == "dp":
+    return [4.0 * c.num_workers * q for q in zero.shard_sizes(staged, c.num_workers)]
+  return [4.0 * staged.param_size] * staged.num_stages
+
+
 def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
   """The cost model's ``Workload`` of config ``c``, as the compiled program lays it out.
 
   The executed timetables keep every stage in a flat float32 buffer padded to
-  the largest stage, recompute a stage's forward in its backward (so a stage
+  the largest stage (ZeRO-3: each stage at its own size, in whole shards,
+  `zero.shard_sizes`), recompute a stage's forward in its backward (so a stage
   keeps its input, padded to the largest boundary, and the recomputation's
   residuals live while its backward runs, `stage_residual_bytes`) and send
   padded boundaries; with ``keep_activations`` a stash row holds what the
@@ -193,7 +203,7 @@ def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
       stash = [0.0] + [kept] * (J - 1)
     recompute = ([stage_residual_bytes(staged, x_spec, rows["label"])] * J if measured is None
                  else measured["stage_transient_bytes"])
-    return analysis.workload([4.0 * staged.param_size] * J, stash, J, optimizer_factor=k,
+    return analysis.workload(stage_bytes(c, staged), stash, J, optimizer_factor=k,
                              boundary_bytes=act, recompute_bytes=recompute,
                              transient_gradient=measured is not None, input_bytes=inputs)
   boundaries = [4.0 * sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
@@ -223,6 +233,8 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
   """
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
   mode = ("executed-kept" if c.keep_activations else "executed") if executed else "engine"
+  if executed and c.parallelism == "zero" and c.rule == "dp":
+    mode = "executed-shards"  # ZeRO-3 gathers each stage at its own size.
   path = out_dir / "points" / (f"{name}_calibration-{mode}-pad{pad_to}_"
                                f"{topology.replace(':', '_')}.json")
   if path.exists():
@@ -271,6 +283,7 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
                                     sample, model_state=state or None, pad_to=pad_to)
     flat = lambda size: jax.ShapeDtypeStruct((size,), jnp.float32)
     theta, st = flat(staged.param_size), flat(staged.state_size)
+    thetas = [flat(int(b) // 4) for b in stage_bytes(c, staged)]
     h = flat(staged.act_size(rows["image"]))
     kept = staged.kept_size(theta, st, h, rows["image"], rows["label"])
     transient = []
@@ -285,8 +298,8 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
         backward = lambda p, s, h, x, y, cot, j=j: staged.vjp(j, p, s, h, x, y, cot)
         own = (h, rows["image"], rows["label"], h)
       inputs = (h, rows["image"], rows["label"])
-      transient.append(max(heap(forward, (theta, st), inputs),
-                           heap(backward, (theta, st), own, gradient=True)))
+      transient.append(max(heap(forward, (thetas[j], st), inputs),
+                           heap(backward, (thetas[j], st), own, gradient=True)))
     result = {"stage_transient_bytes": transient}
   path.parent.mkdir(parents=True, exist_ok=True)
   _common.write_json(path, result)

@@ -232,8 +232,9 @@ def test_zero_memory_and_traffic(params, stage_ids, timetable):
   ex = zero.make_executor(staged, tx, rule=rule, mesh=mesh)
   assert ex.plan.timetable == timetable
   program = ex.lower(ex.init(params), _batch(N)).compile()
-  stage_bytes = 4 * staged.param_size  # Every stage is one padded flat buffer.
-  w = analysis.workload(J * stage_bytes, 1.0, J)
+  stage_bytes = 4 * staged.param_size  # Every stage is one padded flat buffer on the ring;
+  shards = [4 * N * q for q in zero.shard_sizes(staged, N)]  # ZeRO-3 moves its own size.
+  w = analysis.workload(J * stage_bytes if timetable == "cyclic" else shards, 1.0, J)
   predicted = analysis.cost("cdp+zero" if timetable == "cyclic" else "zero-3", N, w)
   mem = compiled.memory(program)
   state_bytes = predicted.per_device.params + predicted.per_device.optimizer + 4
@@ -319,7 +320,7 @@ def test_replicated_zero3_all_reduces_each_shard_over_the_replicas(params, stage
   staged = _staged(params, stage_ids, pad_to=N)
   ex = zero.make_executor(staged, optax.sgd(0.1), rule="dp", mesh=mesh)
   program = ex.lower(ex.init(params), _batch(2 * N)).compile()
-  w = analysis.workload(J * 4 * staged.param_size, 1.0, J)
+  w = analysis.workload([4 * N * q for q in zero.shard_sizes(staged, N)], 1.0, J)
   reduce = analysis.cost("zero-3", N, w, replicas=2).communication[-1]
   found = [c for c in hlo.collectives(program.as_text()) if c.kind == "all-reduce"
            and c.replica_groups and len(c.replica_groups[0]) == 2]

@@ -95,10 +95,29 @@ def test_three_versions_of_the_owned_stage_match_the_engine(scan_steps):
   ref.assert_matches_engine(metrics, variables, "residual_mlp", rule, 2)
 
 
-def test_resnet18_with_batchnorm_matches_engine():
-  """Heterogeneous stages; new statistics travel the forward ring, across steps and calls."""
-  metrics, variables, _ = zero_run("resnet18", "cdp-v2", 2, scan_steps=2)
-  ref.assert_matches_engine(metrics, variables, "resnet18", "cdp-v2", 2)
+@pytest.mark.parametrize("rule", ["cdp-v2", "dp"])
+def test_resnet18_with_batchnorm_matches_engine(rule):
+  """Heterogeneous stages; new statistics travel the forward ring, across steps and calls;
+  ZeRO-3 gathers each stage at its own size from its shards (`zero.shard_columns`)."""
+  metrics, variables, _ = zero_run("resnet18", rule, 2, scan_steps=2)
+  ref.assert_matches_engine(metrics, variables, "resnet18", rule, 2)
+
+
+def test_zero3_gathers_and_scatters_each_stage_at_its_own_size():
+  """Stages of unequal size (ResNet-18 cut by FLOPs): ZeRO-3's collectives move each stage's
+  shards, not the largest stage's."""
+  num_workers = 2
+  ex = executor_of("resnet18", "dp", num_workers, scan_steps=2)
+  batch = ref.batches("resnet18", num_workers, num_steps=2)
+  found = hlo.collectives(ex.lower(initial_state(ex, "resnet18", num_workers),
+                                   batch).compile().as_text())
+  staged = ref.staged_of("resnet18", num_workers, pad_to=zero.pad_to(num_workers, "zero3"))
+  sizes = zero.shard_sizes(staged, num_workers)
+  assert max(sizes) * num_workers == staged.param_size > 2 * min(sizes) * num_workers
+  gathered = sorted(c.bytes // 4 for c in found if c.kind == "all-gather")
+  assert gathered == sorted(2 * [num_workers * q for q in sizes])
+  scattered = sum(c.bytes // 4 for c in found if c.kind == "reduce-scatter")
+  assert scattered == sum(sizes)
 
 
 @pytest.mark.parametrize("rule,num_workers", [("dp", 2), ("cdp-v2", 4)])
@@ -244,8 +263,20 @@ def test_model_states_are_one_nth_of_the_replicated_engine():
   assert per_device <= 1.05 * padding * replicated / num_workers
 
 
-def test_variables_round_trip():
-  ex = executor_of("resnet18", "cdp-v2", 2)
+def test_zero3_shards_hold_each_stage_without_padding():
+  """FSDP's flat shard: each worker holds 1/N of every stage, not of the largest stage J times."""
+  num_workers = 2
+  ex = executor_of("resnet18", "dp", num_workers, flat=True)
+  state = initial_state(ex, "resnet18", num_workers)
+  sizes = ref.staged_of("resnet18", num_workers).stage_param_sizes()
+  for leaf in (state.params, *jax.tree.leaves(state.opt_state)):
+    if leaf.ndim == 2:
+      assert leaf.addressable_shards[0].data.shape == (1, sum(-(-p // num_workers) for p in sizes))
+
+
+@pytest.mark.parametrize("rule", ["cdp-v2", "dp"])
+def test_variables_round_trip(rule):
+  ex = executor_of("resnet18", rule, 2)
   _, params, model_state, _ = ref.model_of("resnet18", 2)
   jax.tree.map(np.testing.assert_array_equal, ex.variables(ex.init(params, model_state)),
                {"params": params, **model_state})

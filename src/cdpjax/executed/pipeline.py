@@ -99,12 +99,6 @@ def replicated(x):
   return x
 
 
-def variables(state, staged: StagedModel) -> dict:
-  """``theta_t`` and the model state as flax variables (evaluation, checkpoints)."""
-  return staged.unpack(jax.device_get(replicated(state.params)),
-                       jax.device_get(jax.tree.map(replicated, state.model_state)))
-
-
 class Trees:
   """Between a ``StagedState``'s flat stage rows and the engine's ``CyclicState`` of flax trees.
 
@@ -113,13 +107,19 @@ class Trees:
   (``tx.init(params)``): each subtree shaped as the parameters becomes one
   ``[J, P]`` row per stage (a per-leaf scalar, such as the AdamW decay mask
   of `train.make_optimizer`, is broadcast over its leaf), each other leaf (a
-  step count) one copy per stage. Runs on host arrays or under ``jax.jit``.
+  step count) one copy per row. ``columns``: ``(to_state, from_state)``
+  between ``[J, P]`` rows in stage order and the state's parameter layout,
+  where it keeps the stages otherwise (ZeRO-3's shards, `zero.shard_columns`).
+  Runs on host arrays or under ``jax.jit``.
   """
 
-  def __init__(self, staged: StagedModel, tx: optax.GradientTransformation, rows=lambda x: x):
+  def __init__(self, staged: StagedModel, tx: optax.GradientTransformation, rows=lambda x: x,
+               columns=(lambda x: x, lambda x: x)):
     self.staged, self.rows = staged, rows
-    self.params_like = jax.eval_shape(self.params, jax.ShapeDtypeStruct(
+    self.to_columns, self.from_columns = columns
+    self.state_like = jax.eval_shape(lambda x: rows(self.to_columns(x)), jax.ShapeDtypeStruct(
         (staged.num_stages, staged.param_size), jnp.float32))
+    self.params_like = jax.eval_shape(self.params, self.state_like)
     self.opt_like = jax.eval_shape(tx.init, self.params_like)
     self._params_def = jax.tree.structure(self.params_like)
 
@@ -127,10 +127,18 @@ class Trees:
     return jax.tree.structure(x) == self._params_def
 
   def params(self, rows_JxP):
-    return self.staged.unpack(self.rows(rows_JxP))["params"]
+    return self.staged.unpack(self.from_columns(self.rows(rows_JxP)))["params"]
 
   def flat(self, params):
-    return self.rows(self.staged.pack_params(params))
+    return self.rows(self.to_columns(self.staged.pack_params(params)))
+
+  def variables(self, state: StagedState) -> dict:
+    """``theta_t`` and the model state as flax variables (evaluation, checkpoints)."""
+    params, model_state = jax.device_get((replicated(state.params),
+                                          jax.tree.map(replicated, state.model_state)))
+    return self.staged.unpack(
+        self.from_columns(self.rows(np.asarray(params))),
+        None if model_state is None else self.rows(np.asarray(model_state)))
 
   def to_trees(self, state: StagedState, depth) -> engine.CyclicState:
     """``state`` as the engine keeps it; stale leaves of stages read no older than ``depth[j]``
@@ -147,7 +155,8 @@ class Trees:
     opt = jax.tree.map(opt_leaf, self.opt_like, state.opt_state, is_leaf=self._params_shaped)
     model_state = None
     if state.model_state is not None:
-      model_state = self.staged.unpack(self.rows(state.params), self.rows(state.model_state))
+      model_state = self.staged.unpack(self.from_columns(self.rows(state.params)),
+                                       self.rows(state.model_state))
       model_state.pop("params")
     return engine.CyclicState(state.step, self.params(state.params), stale, opt, model_state)
 
@@ -158,7 +167,8 @@ class Trees:
                   for version in p.stale_params)
     def opt_leaf(like, sub):
       if not self._params_shaped(like):
-        return jnp.broadcast_to(jnp.asarray(sub, like.dtype), (self.staged.num_stages, *like.shape))
+        rows = self.state_like.shape[0]
+        return jnp.broadcast_to(jnp.asarray(sub, like.dtype), (rows, *like.shape))
       return self.flat(jax.tree.map(lambda x, l: jnp.broadcast_to(x, l.shape), sub,
                                     self.params_like))
     opt = jax.tree.map(opt_leaf, self.opt_like, p.opt_state, is_leaf=self._params_shaped)
@@ -586,12 +596,13 @@ def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule
     versions = ring.versions(versions_ring)
     return state._replace(params=versions[0], stale_params=versions[1:]), finish(raw)
 
-  to_portable, from_portable = portable_fns(Trees(staged, tx), plan, mesh,
+  trees = Trees(staged, tx)
+  to_portable, from_portable = portable_fns(trees, plan, mesh,
                                             lambda state: _state_sharding(mesh, state))
   return executor_lib.Executor(
       init=lambda params, model_state=None: init_state(staged, params, tx, rule=plan, mesh=mesh,
                                                        model_state=model_state),
-      step=step, variables=lambda state: variables(state, staged),
+      step=step, variables=trees.variables,
       lower=lambda state, batch: run.lower(*prepare(state, batch, abstract_ring=True)),
       plan=plan, to_portable=to_portable, from_portable=from_portable)
 

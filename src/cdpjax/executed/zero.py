@@ -42,13 +42,15 @@ Between calls the state is the engine's, so the numbers equal
 holds collective-permutes only. Each backward recomputes its stage forward
 from the stage input it stashed.
 
-**zero3.** The baseline with the same state: ZeRO-3 (FSDP) data parallelism in
-lockstep. Each stage's parameter buffers are sharded ``P/N`` per worker; a
-stage is all-gathered at use in the forward and again in the backward, and its
-gradient is reduce-scattered (as TPU tiles, in pieces the TPU compiler keeps
-as reduce-scatters: `TPU_SHARD`, `TPU_SCATTER_ROWS`). Model states are
-replicated and averaged by one all-reduce. Rule ``dp`` runs this way
-(`executor.resolve`).
+**zero3.** The baseline: ZeRO-3 (FSDP) data parallelism in lockstep. Each
+worker holds one flat shard, ``1/N`` of every stage at the stage's own size
+(`shard_columns`: no stage is padded to the largest, as FSDP's flat
+parameter); a stage is all-gathered at use in the forward and again in the
+backward, and its gradient is reduce-scattered (as TPU tiles, in pieces the
+TPU compiler keeps as reduce-scatters: `TPU_SHARD`, `TPU_SCATTER_ROWS`).
+Model states are replicated and averaged by one all-reduce. Rule ``dp`` runs
+this way (`executor.resolve`); its state converts to the cyclic timetable's
+through the engine's trees (`Trees`), as every executor's does.
 
 **Replicas.** On a mesh ``(replica, data)`` (``jax.make_mesh((R, N),
 ("replica", "data"))``) each replica runs its own timetable (or ZeRO-3 group) on its
@@ -82,7 +84,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cdpjax import compensation, compiled, engine
 from cdpjax import executor as executor_lib
 from cdpjax.executed import plan as plan_lib
-from cdpjax.executed.pipeline import StagedState, Trees, portable_fns, replicated
+from cdpjax.executed.pipeline import StagedState, Trees, portable_fns
 from cdpjax.executed.device import (TPU_TILE, after as staged_after, steps_batch, vary,
                                     with_steps_axis)
 from cdpjax.executed.staged import StagedModel
@@ -108,6 +110,46 @@ def pad_to(num_workers: int, timetable: str) -> int:
   if timetable == "zero3":
     return num_workers * TPU_SHARD
   return math.lcm(num_workers, TPU_TILE)
+
+
+def shard_sizes(staged: StagedModel, num_workers: int) -> list[int]:
+  """``q_j``: the elements of stage ``j`` in each ZeRO-3 shard, its own size rounded up to
+  ``N`` whole shards (of `TPU_SHARD` elements where the buffers are tiled): ZeRO-3 gathers a
+  stage, and scatters its gradient, at that size, not the largest stage's."""
+  unit = num_workers * (TPU_SHARD if _tiled(staged, num_workers) else 1)
+  return [-(-size // unit) * unit // num_workers for size in staged.stage_param_sizes()]
+
+
+def _tiled(staged: StagedModel, num_workers: int) -> bool:
+  return staged.param_size % (num_workers * TPU_SHARD) == 0
+
+
+def shard_columns(staged: StagedModel, num_workers: int):
+  """``(to_state, from_state)`` between ``[J, P]`` stage-order rows and ZeRO-3's state ``[1, N S]``
+  (`Trees`): worker ``r`` holds columns ``[r S, (r+1) S)``, elements ``[r q_j, (r+1) q_j)``
+  of each stage ``j`` end to end (``S = sum_j q_j``, `shard_sizes`), and no stage's padding
+  to the largest. FSDP's flat parameter, one shard a worker, gathered stage by stage.
+  """
+  sizes = shard_sizes(staged, num_workers)
+  size, offsets, shard = staged.param_size, np.cumsum([0] + sizes[:-1]), sum(sizes)
+  # State column t: worker t // S, offset t % S in its shard, of stage j at [offsets[j], +q_j).
+  worker, offset = np.divmod(np.arange(num_workers * shard), shard)
+  stage = np.searchsorted(offsets, offset, side="right") - 1
+  within = offset - offsets[stage]
+  to_index = stage * size + worker * np.asarray(sizes)[stage] + within
+  from_index = np.full(len(sizes) * size, num_workers * shard)
+  from_index[to_index] = np.arange(num_workers * shard)  # The rest: padding, read as 0.
+
+  def xp(x):
+    return np if isinstance(x, np.ndarray) else jnp
+
+  def to_state(rows):
+    return xp(rows).reshape(rows, -1)[to_index][None]
+
+  def from_state(state):
+    flat = xp(state).concatenate([state[0], xp(state).zeros((1,), state.dtype)])
+    return flat[from_index].reshape(len(sizes), size)
+  return to_state, from_state
 
 
 def owner(stage: int, num_stages: int) -> int:
@@ -151,32 +193,34 @@ def _owner_rows(rows):
   return rows[::-1]
 
 
+def trees(staged: StagedModel, tx: optax.GradientTransformation, num_workers: int,
+          timetable: str) -> Trees:
+  """Between the state of ``timetable`` and the engine's trees: rows in owner order, and
+  ZeRO-3's columns in shards (`shard_columns`)."""
+  if timetable == "zero3":
+    return Trees(staged, tx, _owner_rows, shard_columns(staged, num_workers))
+  return Trees(staged, tx, _owner_rows)
+
+
 def init_state(staged: StagedModel, params, tx: optax.GradientTransformation, *, rule,
-               mesh: Mesh, model_state=None) -> StagedState:
+               mesh: Mesh, model_state=None, timetable: str | None = None) -> StagedState:
   """The sharded state at ``t = 0``; every stale version is ``theta_0``.
 
   Args:
     staged: the model cut into ``J = N`` stages, ``pad_to=N``.
     params: the flax ``params``.
     tx: an elementwise optax optimizer.
-    rule: a name of ``schedule.RULES`` or an ``(N, N)`` delay matrix.
+    rule: a name of ``schedule.RULES``, an ``(N, N)`` delay matrix or its `executor.RulePlan`.
     mesh: a mesh with axis ``data`` of size ``N``.
     model_state: the model's other collections, or None.
+    timetable: ``cyclic`` or ``zero3``; by default the rule's.
   """
   num_workers = _num_workers(mesh)
   _check_staged(staged, num_workers)
-  state = Trees(staged, tx, _owner_rows).from_trees(
-      engine.init_state(params, tx, rule=rule, model_state=model_state))
-  return jax.device_put(state, _shardings(state, mesh, "cyclic"))
-
-
-def variables(state: StagedState, staged: StagedModel) -> dict:
-  """``theta_t`` and the model state as flax variables."""
-  model_state = None
-  if state.model_state is not None:
-    model_state = _owner_rows(np.asarray(jax.device_get(replicated(state.model_state))))
-  return staged.unpack(_owner_rows(np.asarray(jax.device_get(replicated(state.params)))),
-                       model_state)
+  plan = _resolve(rule, timetable, num_workers)
+  state = trees(staged, tx, num_workers, plan.timetable).from_trees(
+      engine.init_state(params, tx, rule=plan, model_state=model_state))
+  return jax.device_put(state, _shardings(state, mesh, plan.timetable))
 
 
 def _specs(state: StagedState, timetable: str):
@@ -477,7 +521,9 @@ def _zero3_step(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_replic
   num_workers = num_stages = staged.num_stages
   num_total = num_workers * num_replicas
   axes = (REPLICA, AXIS) if num_replicas > 1 else (AXIS,)
-  tiled = staged.param_size % (num_workers * TPU_SHARD) == 0
+  tiled = _tiled(staged, num_workers)
+  shards = shard_sizes(staged, num_workers)
+  offsets = np.cumsum([0] + shards)  # Stage j's part of a shard: [offsets[j], offsets[j+1]).
   tile = lambda flat: flat.reshape(-1, TPU_LANES) if tiled else flat
   untile = lambda buffer: buffer.reshape(-1)
 
@@ -507,7 +553,7 @@ def _zero3_step(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_replic
       column = sorted(set(delays[:, j].tolist()))
       needed = set(column) | {v + 1 for v in column if v and rule.predict}
       needed |= {0} if rule.dc_lambda and after is not None else set()
-      shard = lambda v: versions[v][owner(j, num_stages)]
+      shard = lambda v: versions[v][0, offsets[j]:offsets[j + 1]]
       if after is not None:
         shard = lambda v, shard=shard: shard(v) + 0 * after
       full = {v: untile(jax.lax.all_gather(tile(shard(v)), AXIS, tiled=True))
@@ -520,7 +566,7 @@ def _zero3_step(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_replic
         view = jnp.where(jnp.asarray(delays[:, j])[me] == v, read(v), view)
       return view, full.get(0)
 
-    versions = state.versions  # Each [N, P/N].
+    versions = state.versions  # Each [1, S]: this worker's shard of every stage.
     states = (jnp.zeros((num_stages, 0), jnp.float32) if state.model_state is None
               else state.model_state)
     act = staged.act_size(jax.ShapeDtypeStruct(x.shape, x.dtype))
@@ -532,7 +578,7 @@ def _zero3_step(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_replic
                                         states[owner(j, num_stages)], h, x, y)
       new_states.append(new_state)
     cot = jnp.zeros_like(h)
-    grads = [None] * num_workers
+    grads = [None] * num_stages
     for j in reversed(range(num_stages)):
       after = loss if j == num_stages - 1 else cot[0]
       view, fresh = gather(versions, j, after)
@@ -542,20 +588,22 @@ def _zero3_step(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_replic
       grad = reduce_scatter(grad)
       if num_replicas > 1:
         grad = jax.lax.psum(grad, REPLICA)  # One all-reduce per stage and step.
-      grads[owner(j, num_stages)] = grad / num_total
-    grads = jnp.stack(grads)
-    updates, opt_state = jax.vmap(tx.update)(grads, state.opt_state, state.params)
-    if rule.lr_delay_scale:  # Rows in owner order: row o is stage J-1-o.
+      grads[j] = grad / num_total
+    grad_sq = jnp.stack([jnp.sum(jnp.square(g)) for g in grads])
+    updates, opt_state = jax.vmap(tx.update)(jnp.concatenate(grads)[None], state.opt_state,
+                                             state.params)
+    if rule.lr_delay_scale:
       scale = compensation.lr_scale(delays, state.step, rule.lr_delay_scale)
-      updates = updates * scale[::-1, None]
+      updates = updates * jnp.repeat(scale, np.asarray(shards), total_repeat_length=offsets[-1])[None]
     model_state = state.model_state
     if model_state is not None:
       model_state = jax.lax.pmean(jnp.stack(new_states[::-1]), axes)
     stale = (state.params,) + tuple(state.stale_params)
     new = StagedState(state.step + 1, state.params + updates, stale[:len(state.stale_params)],
                       opt_state, model_state)
-    row = vary([loss[None], jnp.sum(jnp.square(grads), axis=1)[::-1],
-                jnp.sum(jnp.square(new.params), axis=1)[::-1]], axes)
+    param_sq = jnp.stack([jnp.sum(jnp.square(new.params[0, a:b]))
+                          for a, b in zip(offsets[:-1], offsets[1:])])
+    row = vary([loss[None], grad_sq, param_sq], axes)
     return new, jnp.concatenate(row)
 
   return step
@@ -605,6 +653,7 @@ def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule
   plan = _resolve(rule, timetable, num_workers)
   make_body = _cyclic_body if plan.timetable == "cyclic" else _zero3_body
   body = make_body(staged, tx, plan, scan_steps or 1, axes, num_replicas)
+  state_trees = trees(staged, tx, num_workers, plan.timetable)
   batch_spec = P(None, axes)
 
   def run(state: StagedState, batch):
@@ -625,10 +674,11 @@ def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule
 
   def prepare(state: StagedState, batch):
     executor_lib.check_versions(state, plan)
-    if np.shape(state.params) != (num_workers, staged.param_size):
+    if np.shape(state.params) != state_trees.state_like.shape:
       raise ValueError(
           f"The state holds stage buffers {np.shape(state.params)}, the step expects "
-          f"({num_workers}, {staged.param_size}): build both from the same staged model and mesh.")
+          f"{state_trees.state_like.shape}: build both from the same staged model, mesh and "
+          "timetable.")
     batch = steps_batch(batch, scan_steps, num_workers * num_replicas)
     batch = executor_lib.place(batch, NamedSharding(mesh, P(*batch_spec[1:]) if scan_steps is None
                                                     else batch_spec))
@@ -642,12 +692,11 @@ def make_executor(staged: StagedModel, tx: optax.GradientTransformation, *, rule
     return state, metrics(rows)
 
   to_portable, from_portable = portable_fns(
-      Trees(staged, tx, _owner_rows), plan, mesh,
-      lambda state: _shardings(state, mesh, plan.timetable))
+      state_trees, plan, mesh, lambda state: _shardings(state, mesh, plan.timetable))
   return executor_lib.Executor(
       init=lambda params, model_state=None: init_state(staged, params, tx, rule=plan, mesh=mesh,
                                                        model_state=model_state),
-      step=step, variables=lambda state: variables(state, staged),
+      step=step, variables=state_trees.variables,
       lower=lambda state, batch: run.lower(*prepare(state, batch)), plan=plan,
       to_portable=to_portable, from_portable=from_portable)
 
