@@ -234,6 +234,15 @@ def tpu_plan_rows(data: dict) -> list[Row]:
       kinds = z3["collectives"]
       rows.append(Row(f"{model}: ZeRO-3's collectives", "all-gather and reduce-scatter", kinds,
                       "all-gather" in kinds and "reduce-scatter" in kinds))
+    cp = points.get("cdp+zero-params")
+    if cp and z3:  # The cyclic buffers padded less; the slots as long as the heaviest stage.
+      rows.append(_info(
+          f"{model}: CDP+ZeRO with stages of equal parameters (stages_by=params: a stage of "
+          f"{cp['largest_stage_MiB']:.2f} MiB; a slot lasts as long as the heaviest stage's "
+          "compute, 'Executed stage buffers' below) against ZeRO-3",
+          f"peak {_gib(cp['peak_GiB'])} ({cp['peak_GiB'] / z3['peak_GiB']:.2f}x), collective "
+          f"bytes {cp['collective_MiB_max'] / z3['collective_MiB_max']:.2f}x, received over "
+          f"links {cp['received_MiB'] / z3['received_MiB']:.2f}x"))
     mp, gp, dp = points.get("cdp+mp"), points.get("gpipe"), points.get("dp")
     if mp and gp and "largest_stage_MiB" in mp:
       extra = (mp["peak_GiB"] - gp["peak_GiB"]) * 1024
@@ -500,8 +509,9 @@ SECTIONS = (
             "Each strategy's step compiled ahead of time for 256 chips (ResNet-50 on v5e:16x16, "
             "the 1B transformer on v5p:8x8x4) and for one v5e host (v5e:2x4: the LM and digits "
             "ResNet-18 quick starts, 2 replicas of N = J = 4), beside the cost model's busiest "
-            "chip. ZeRO-3 is the strong baseline: its shards are whole TPU tiles, which the "
-            "compiler keeps as all-gathers and reduce-scatters. Memory per chip is the HBM of "
+            "chip. ZeRO-3 is the strong baseline: FSDP's flat shard, each stage at its own "
+            "size (not padded to the largest, as the cyclic timetables' buffers are), in whole "
+            "TPU tiles, which the compiler keeps as all-gathers and reduce-scatters. Memory per chip is the HBM of "
             "the TPU buffer assignment (points compiled before it was read: XLA's estimate, "
             "whose temp counted on-chip buffers and missed HBM ones). On v5e:2x4 the quick "
             "starts are small enough that the compiler keeps ZeRO-3's gathered stages and "

@@ -14,7 +14,10 @@ Strategies: DP, CDP-v1 and CDP-v2 on the engine (one worker per chip: ``N``
 = the topology's chips), GPipe and CDP+MP (the executed pipeline), ZeRO-3 and
 CDP+ZeRO (``N = J = 4`` chips per ring); GPipe and CDP+MP again with
 activations kept from the forward (``-kept``: ``keep_activations``, where
-the default recomputes each stage's forward in its backward). The executed
+the default recomputes each stage's forward in its backward); CDP+ZeRO
+again with the ResNets cut into stages of equal parameters instead of equal
+FLOPs (``-params``: ``stages_by=params``; the cyclic timetables pad every
+stage buffer and message to the largest stage, ZeRO-3 does not). The executed
 timetables fill the pod
 with ``R = chips / J`` replicas of one pipeline or ring (the launcher's
 ``(replica, stage)`` and ``(replica, data)`` meshes, ``num_replicas``), as a
@@ -53,13 +56,16 @@ STRATEGIES = {  # The cost model's name: (rule, parallelism).
     "gpipe": ("dp", "model"), "cdp+mp": ("cdp-v2", "model"),
     "zero-3": ("dp", "zero"), "cdp+zero": ("cdp-v2", "zero"),
     "gpipe-kept": ("dp", "model"), "cdp+mp-kept": ("cdp-v2", "model"),
+    "cdp+zero-params": ("cdp-v2", "zero"),
 }
 KEPT = "-kept"  # A strategy with activations kept (the cost model's own assumption).
+BY_PARAMS = "-params"  # Stages of equal parameters (models the plan cuts by FLOPs only).
 
 
 def base(strategy: str) -> str:
-  """The cost model's name of ``strategy``: kept activations are what it counts."""
-  return strategy.removesuffix(KEPT)
+  """The cost model's name of ``strategy``: kept activations are what it counts, and the stage
+  cut is the workload's."""
+  return strategy.removesuffix(KEPT).removesuffix(BY_PARAMS)
 TRANSFORMER_1B = dict(num_layers=20, d_model=2048, num_heads=16, d_ff=8192, seq_len=1024)
 PLANS = {
     "full": [
@@ -91,6 +97,8 @@ def point_config(path, overrides, model_kwargs, strategy, chips, num_stages):
     c.eval_batch_size = chips
     c.grad_clip_norm = 0.0  # The executed timetables do not clip; the same optimizer for all.
     c.keep_activations = strategy.endswith(KEPT)
+    if strategy.endswith(BY_PARAMS):
+      c.stages_by = "params"
     c.model_kwargs.update(model_kwargs)
   return c
 
@@ -141,7 +149,7 @@ def stage_pad(strategy: str, c) -> int:
   """The multiple the launcher pads a strategy's stage buffers to (`cdpjax.executed.zero.pad_to`,
   `cdpjax.executed.device.TPU_TILE`: whole TPU tiles); the engine keeps its stages unpadded."""
   from cdpjax.executed import device, zero  # pylint: disable=g-import-not-at-top
-  timetable = {"zero-3": "zero3", "cdp+zero": "cyclic"}.get(strategy)
+  timetable = {"zero-3": "zero3", "cdp+zero": "cyclic"}.get(base(strategy))
   if timetable:
     return zero.pad_to(c.num_workers, timetable)
   return device.TPU_TILE if STRATEGIES[strategy][1] == "model" else 1
@@ -235,6 +243,8 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
   mode = ("executed-kept" if c.keep_activations else "executed") if executed else "engine"
   if executed and c.parallelism == "zero" and c.rule == "dp":
     mode = "executed-shards"  # ZeRO-3 gathers each stage at its own size.
+  if c.stages_by == "params":
+    mode += "-params"
   path = out_dir / "points" / (f"{name}_calibration-{mode}-pad{pad_to}_"
                                f"{topology.replace(':', '_')}.json")
   if path.exists():
@@ -605,7 +615,7 @@ def main(argv=None):
   def measured(name, c, strategy, topology):
     """The workload of ``c`` with the compiler's activation terms (None if not calibrated)."""
     executed, pad = STRATEGIES[strategy][1] != "data", stage_pad(strategy, c)
-    key = (name, topology, c.parallelism, pad, c.keep_activations)
+    key = (name, topology, c.parallelism, pad, c.keep_activations, c.stages_by)
     if key not in calibrated_workloads:
       found = calibration(out, name, c, topology, executed, pad, args.cached_only)
       calibrated_workloads[key] = found and workload(c, executed, pad, found)
@@ -628,6 +638,9 @@ def main(argv=None):
     for strategy in args.strategies:
       topology = pod
       c = point_config(path, overrides, model_kwargs, strategy, chips, NUM_STAGES[plan])
+      if strategy.endswith(BY_PARAMS) and "flops" != point_config(
+          path, overrides, model_kwargs, base(strategy), chips, NUM_STAGES[plan]).stages_by:
+        continue  # Cut by FLOPs only: the ResNets. The transformers' layers are equal.
       if name == LARGEST_FROM:  # From the cost model, its activations compiled on each chip.
         for other in ("v5e:16x16", "v5p:8x8x4"):
           line = peak_line(c.copy_and_resolve_references(), strategy, NUM_STAGES[plan],
@@ -652,7 +665,7 @@ def main(argv=None):
         refused.append({"point": f"{name} {strategy} {topology}", "why": compiled["refused"]})
         continue
       pad = stage_pad(strategy, c)
-      key = (name, c.parallelism, pad, c.keep_activations)
+      key = (name, c.parallelism, pad, c.keep_activations, c.stages_by)
       if key not in workloads:
         workloads[key] = workload(c, STRATEGIES[strategy][1] != "data", pad)
       shapes = predicted(strategy, c, workloads[key])

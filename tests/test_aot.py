@@ -143,7 +143,9 @@ def test_tpu_plan_quick_compiles_every_strategy_with_the_predicted_collectives(t
   import tpu_plan  # pylint: disable=g-import-not-at-top
   result = tpu_plan.main(["--quick", "--results_dir", str(tmp_path)])
   assert not result["not_compiled"]
-  assert sorted(r["strategy"] for r in result["rows"]) == sorted(tpu_plan.STRATEGIES)
+  # The MLP is cut by blocks: no point with stages of equal parameters (only the ResNets').
+  assert sorted(r["strategy"] for r in result["rows"]) == sorted(
+      s for s in tpu_plan.STRATEGIES if not s.endswith(tpu_plan.BY_PARAMS))
   assert {r["model_activations"] for r in result["rows"]} == {"compiled"}
   calibrations = [json.loads(p.read_text()) for p in (tmp_path / "points").glob("*calibration*")]
   assert len(calibrations) == 4  # The engine; the pipelines, recomputing or kept; ZeRO's pad.
