@@ -130,25 +130,18 @@ def shard_columns(staged: StagedModel, num_workers: int):
   of each stage ``j`` end to end (``S = sum_j q_j``, `shard_sizes`), and no stage's padding
   to the largest. FSDP's flat parameter, one shard a worker, gathered stage by stage.
   """
-  sizes = shard_sizes(staged, num_workers)
-  size, offsets, shard = staged.param_size, np.cumsum([0] + sizes[:-1]), sum(sizes)
-  # State column t: worker t // S, offset t % S in its shard, of stage j at [offsets[j], +q_j).
-  worker, offset = np.divmod(np.arange(num_workers * shard), shard)
-  stage = np.searchsorted(offsets, offset, side="right") - 1
-  within = offset - offsets[stage]
-  to_index = stage * size + worker * np.asarray(sizes)[stage] + within
-  from_index = np.full(len(sizes) * size, num_workers * shard)
-  from_index[to_index] = np.arange(num_workers * shard)  # The rest: padding, read as 0.
-
-  def xp(x):
-    return np if isinstance(x, np.ndarray) else jnp
+  sizes, size = shard_sizes(staged, num_workers), staged.param_size
+  offsets = np.cumsum([0] + sizes)
+  xp = lambda x: np if isinstance(x, np.ndarray) else jnp
 
   def to_state(rows):
-    return xp(rows).reshape(rows, -1)[to_index][None]
+    shards = [rows[j, :num_workers * q].reshape(num_workers, q) for j, q in enumerate(sizes)]
+    return xp(rows).concatenate(shards, axis=1).reshape(1, -1)
 
   def from_state(state):
-    flat = xp(state).concatenate([state[0], xp(state).zeros((1,), state.dtype)])
-    return flat[from_index].reshape(len(sizes), size)
+    shards, pad = state.reshape(num_workers, -1), xp(state).pad
+    return xp(state).stack([pad(shards[:, a:b].reshape(-1), (0, size - num_workers * (b - a)))
+                            for a, b in zip(offsets[:-1], offsets[1:])])
   return to_state, from_state
 
 
