@@ -388,11 +388,18 @@ def _data_parallel(name: str, rule, n: int, w: Workload, net: Network, *,
   pmax = max(w.stage_param_bytes)
   grads = P / n if shard >= 2 else P
   gradient = 0.0 if w.transient_gradient else pmax  # A stage's gradient before its scatter.
-  buffers = {0: 0.0, 1: 0.0, 2: gradient, 3: pmax + gradient}[shard]  # ZeRO-3: + a stage.
+  buffers = {0: 0.0, 1: 0.0, 2: gradient}.get(shard, 0.0)
+  activations = float(prof.peak.max()) + _recompute(w)
+  if shard >= 3:  # Stage by stage: the backward of stage j holds the activations kept up to
+    # stage j, its recomputed residuals, and its stage gathered (with its gradient unless the
+    # calibrated backward holds it), each stage at its own size.
+    held = 1.0 if w.transient_gradient else 2.0
+    at = [(sum(w.stage_activation_bytes[:j + 1]) + _recompute(w, j), held * p)
+          for j, p in enumerate(w.stage_param_bytes)]
+    activations, buffers = max(at, key=sum)
   boundary = max(w.boundary_bytes, default=0.0) if shard >= 3 else 0.0  # Stage by stage.
-  memory = Memory(params, grads, k * P / n if shard >= 1 else k * P, buffers,
-                  float(prof.peak.max()) + _recompute(w), float(prof.mean.max()), boundary,
-                  w.input_bytes)
+  memory = Memory(params, grads, k * P / n if shard >= 1 else k * P, buffers, activations,
+                  float(prof.mean.max()), boundary, w.input_bytes)
   if shard == 0:
     comms = (Communication(
         "all-reduce", "gradients", n, J, P, 2 * (n - 1) / n * P, 2 * (n - 1) * P,
