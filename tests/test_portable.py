@@ -7,8 +7,8 @@ checkpoint a step:
 - the conversion is exact: `executed.pipeline.Trees` maps the engine's state
   of the transformer (AdamW, whose decay mask is a scalar per leaf) and of
   ResNet-18 (momentum, BatchNorm) to stage rows and back, bit for bit, in
-  stage and in owner (ZeRO) row order; a checkpoint restored under ``model`` or ``zero``
-  and converted back (`executor.Executor.to_portable`) is the checkpoint,
+  stage and in owner (ZeRO) row order, and into ZeRO-3's flat shards; a
+  checkpoint restored under ``model`` or ``zero`` and converted back (`executor.Executor.to_portable`) is the checkpoint,
   bit for bit, as the engine restores it (every version kept, the optimizer
   state with its step count, the BatchNorm statistics);
 - the run ``data -> model -> zero -> data``, one step each, logs the losses of
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from cdpjax import engine, models, stages, train
-from cdpjax.executed import pipeline, staged as staged_lib
+from cdpjax.executed import pipeline, staged as staged_lib, zero
 from test_executors import smoke_config
 
 slow = pytest.mark.slow  # Not in the fast subset (README, Tests).
@@ -45,9 +45,8 @@ def losses(workdir):
 
 
 @pytest.mark.parametrize("name,optimizer", [("transformer", "adamw"), ("resnet18", "sgd")])
-@pytest.mark.parametrize("owner_rows", [False, True])
-def test_trees_convert_the_engines_state_to_stage_rows_and_back_exactly(name, optimizer,
-                                                                        owner_rows):
+@pytest.mark.parametrize("layout", ["stages", "owners", "zero3"])
+def test_trees_convert_the_engines_state_to_stage_rows_and_back_exactly(name, optimizer, layout):
   rng = np.random.default_rng(0)
   if name == "transformer":
     model = models.create_model(name, 32, vocab_size=32, num_layers=4, d_model=16, num_heads=2,
@@ -71,9 +70,14 @@ def test_trees_convert_the_engines_state_to_stage_rows_and_back_exactly(name, op
       stale_params=(jax.tree.map(lambda p: p - 0.5, state.params),),
       opt_state=jax.tree.map(lambda s: s + 0.25 if s.dtype == np.float32 else s + 3,
                              state.opt_state))
-  trees = pipeline.Trees(staged, tx, (lambda r: r[::-1]) if owner_rows else (lambda r: r))
+  if layout == "zero3":  # One flat row of 4 shards, each stage at its own size.
+    trees = zero.trees(staged, tx, 4, "zero3")
+    shape = (1, 4 * sum(zero.shard_sizes(staged, 4)))
+  else:
+    trees = pipeline.Trees(staged, tx, (lambda r: r[::-1]) if layout == "owners" else (lambda r: r))
+    shape = (4, staged.param_size)
   rows = trees.from_trees(state)
-  assert rows.params.shape == (4, staged.param_size)
+  assert rows.params.shape == shape
   back = trees.to_trees(rows, rule_delays.max(axis=0))
   kept = jax.tree.leaves(back.stale_params, is_leaf=lambda v: v is None)
   assert any(v is None for v in kept) and any(v is not None for v in kept)

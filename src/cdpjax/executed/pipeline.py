@@ -87,8 +87,9 @@ REPLICA_AXIS = "replica"
 
 StagedState = executor_lib.State
 """An executed timetable's state: `executor.State` whose leaves but ``step`` lead with a stage
-axis: ``params`` and each stale version ``[J, P]`` (flat stages, `staged`), the optimizer
-state of each stage stacked on that axis, the model state ``[J, M]`` (None without one)."""
+axis: ``params`` and each stale version ``[J, P]`` (flat stages, `staged`; ZeRO-3's one flat
+row ``[1, N S]`` of shards, `zero.shard_columns`), the optimizer state stacked as they are, the
+model state ``[J, M]`` (None without one)."""
 
 
 def replicated(x):
