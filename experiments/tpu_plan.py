@@ -155,11 +155,18 @@ def stage_pad(strategy: str, c) -> int:
   return device.TPU_TILE if STRATEGIES[strategy][1] == "model" else 1
 
 
+def is_zero3(c) -> bool:
+  """Whether ``c`` runs ZeRO-3 (`executor.resolve`: ``parallelism=zero`` with rule ``dp``)."""
+  from cdpjax import executor  # pylint: disable=g-import-not-at-top
+  return c.parallelism == "zero" and executor.resolve(
+      c.rule, "zero", c.num_workers, c.num_stages).timetable == "zero3"
+
+
 def stage_bytes(c, staged) -> list[float]:
   """The bytes of each stage as an executed timetable of ``c`` holds and moves it: ZeRO-3 its
   shards of each stage (`zero.shard_sizes`), the others a buffer of the largest stage's size."""
   from cdpjax.executed import zero  # pylint: disable=g-import-not-at-top
-  if c.parallelism == "zero" and c.rule == "dp":
+  if is_zero3(c):
     return [4.0 * c.num_workers * q for q in zero.shard_sizes(staged, c.num_workers)]
   return [4.0 * staged.param_size] * staged.num_stages
 
@@ -241,7 +248,7 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
   """
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
   mode = ("executed-kept" if c.keep_activations else "executed") if executed else "engine"
-  if executed and c.parallelism == "zero" and c.rule == "dp":
+  if executed and is_zero3(c):
     mode = "executed-shards"  # ZeRO-3 gathers each stage at its own size.
   if c.stages_by == "params":
     mode += "-params"

@@ -388,7 +388,7 @@ def _data_parallel(name: str, rule, n: int, w: Workload, net: Network, *,
   pmax = max(w.stage_param_bytes)
   grads = P / n if shard >= 2 else P
   gradient = 0.0 if w.transient_gradient else pmax  # A stage's gradient before its scatter.
-  buffers = {0: 0.0, 1: 0.0, 2: gradient}.get(shard, 0.0)
+  buffers = gradient if shard == 2 else 0.0  # ZeRO-3's: below, stage by stage.
   activations = float(prof.peak.max()) + _recompute(w)
   if shard >= 3:  # Stage by stage: the backward of stage j holds the activations kept up to
     # stage j, its recomputed residuals, and its stage gathered (with its gradient unless the
