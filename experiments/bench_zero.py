@@ -192,9 +192,9 @@ def messages_replaced(floor: str):
   """
   route, permute = zero.Ring.route, zero.Ring.permute
 
-  def one_rendezvous(ring, name, *args):
-    out = route(ring, name, *args)
-    if name != ("param", "owner"):  # The stage messages: one route a slot.
+  def one_rendezvous(ring, name, *args, stages=None):
+    out = route(ring, name, *args, stages=stages)
+    if name != ("param", "owner") or stages != ring.classes[0][1]:  # Once a slot.
       return out
     pairs = [(i, (i + 1) % ring.num_workers) for i in range(ring.num_workers)]
     token = permute(ring, out[:16], pairs)

@@ -44,6 +44,7 @@ TPU keeps (each row's ``shapes_peak_ratio``).
 """
 from __future__ import annotations
 
+from collections import defaultdict
 import json
 import math
 import os
@@ -171,6 +172,17 @@ def stage_bytes(c, staged) -> list[float]:
   return [4.0 * staged.param_size] * staged.num_stages
 
 
+def message_bytes(c, staged) -> tuple:
+  """CDP+ZeRO's message of each stage: its message class's size (`zero.message_classes`);
+  empty for the other strategies."""
+  from cdpjax.executed import zero  # pylint: disable=g-import-not-at-top
+  if c.parallelism != "zero" or is_zero3(c):
+    return ()
+  sizes = {j: size for size, stages in zero.message_classes(staged, c.num_workers)
+           for j in stages}
+  return tuple(4.0 * sizes[j] for j in range(staged.num_stages))
+
+
 def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
   """The cost model's ``Workload`` of config ``c``, as the compiled program lays it out.
 
@@ -220,7 +232,8 @@ def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
                  else measured["stage_transient_bytes"])
     return analysis.workload(stage_bytes(c, staged), stash, J, optimizer_factor=k,
                              boundary_bytes=act, recompute_bytes=recompute,
-                             transient_gradient=measured is not None, input_bytes=inputs)
+                             transient_gradient=measured is not None, input_bytes=inputs,
+                             message_bytes=message_bytes(c, staged))
   boundaries = [4.0 * sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
                 for spec in staged.boundary_specs(x_spec)[:-1]]
   activations = (residual_bytes(model, variables, rows) if measured is None
@@ -327,7 +340,7 @@ LONG_CALL_STEPS = 64
 """The steps of a long call, whose fill and drain are amortized (the cost model's figure)."""
 
 
-def executed_permutes(strategy: str, c, num_steps: int = 1) -> float:
+def executed_permutes(strategy: str, c, num_steps: int = 1, classes=(None,)) -> float:
   """``collective-permute``s one chip executes per step of a ``num_steps``-step call of an
   executed timetable (the compiled points: one step per call).
 
@@ -336,7 +349,8 @@ def executed_permutes(strategy: str, c, num_steps: int = 1) -> float:
   whether or not the chip is among its targets. Which list a slot uses is
   static (`cdpjax.executed.plan`): GPipe shifts every slot (``2(N+J-1)``),
   the cyclic pipeline swaps neighbours on even and odd slots, CDP-ZeRO sends
-  a slot's stage messages in one permute and its gradient messages in another
+  a slot's stage messages in one permute a message class (``classes``: the
+  stages of each) and its gradient messages in another
   (`cdpjax.executed.plan.ZeroPlan.num_permutes`; model-state messages left out).
   """
   from cdpjax import schedule  # pylint: disable=g-import-not-at-top
@@ -350,7 +364,7 @@ def executed_permutes(strategy: str, c, num_steps: int = 1) -> float:
     return sum(bool(plan_lib.swap_pairs(J, slot % 2)) for slot in range(slots)) / num_steps
   if strategy == "cdp+zero":
     zero_plan = plan_lib.zero_plan(schedule.resolve(STRATEGIES[strategy][0], N, J), num_steps)
-    return zero_plan.num_permutes(model_states=False) / num_steps
+    return zero_plan.num_permutes(model_states=False, classes=classes) / num_steps
   raise ValueError(f"{strategy} is not an executed timetable with permutes.")
 
 
@@ -391,16 +405,21 @@ def tpu_result_bytes(strategy: str, c, w, comm, num_steps: int = 1) -> float:
 
   The executed timetables' permutes run at every slot whose pair list is not
   empty, on every chip (`executed_permutes`), each of one padded boundary
-  (pipelines) or one padded stage buffer (CDP-ZeRO): the compiled program's
+  (pipelines) or one message class's buffer (CDP-ZeRO): the compiled program's
   result bytes exceed the algorithm's messages, which the cost model counts.
   ZeRO-3's all-gathers and reduce-scatters are as the cost model has them: the
   launcher pads its shards to whole TPU tiles (`stage_pad`), which the TPU
   compiler keeps as such (`reduce_scatter_lowering`).
   """
-  if comm.kind == "p2p":
-    message = max(w.boundary_bytes) if comm.what == "activations" else max(w.stage_param_bytes)
-    return executed_permutes(strategy, c, num_steps) * message
-  return comm.payload_bytes
+  if comm.kind != "p2p":
+    return comm.payload_bytes
+  if comm.what == "activations":
+    return executed_permutes(strategy, c, num_steps) * max(w.boundary_bytes)
+  classes = defaultdict(list)  # CDP-ZeRO: a permute per message class, each at its size.
+  for j, size in enumerate(w.stage_message_bytes):
+    classes[size].append(j)
+  return sum(executed_permutes(strategy, c, num_steps, [stages]) * size
+             for size, stages in classes.items())
 
 
 def predicted(strategy: str, c, w=None) -> dict:
@@ -506,8 +525,8 @@ def row(name, strategy, topology, compiled, prediction, shapes, calibrated: bool
       "collective_ratio_min": comm["min"] / model if model else float("nan"),
       "collective_ratio_max": comm["max"] / model if model else float("nan"),
       "collectives": kinds or "none",
-      "received_MiB": (sum(x["received_max"] for x in found) / mib
-                       if all("received_max" in x for x in found) else None),
+      "received_MiB": (sum(x["received_mean"] for x in found) / mib  # The mean chip's.
+                       if all("received_mean" in x for x in found) else None),
       "largest_stage_MiB": max(prediction["stage_param_bytes"]) / mib,
       "stage_padding": (len(prediction["stage_param_bytes"]) * max(prediction["stage_param_bytes"])
                         / sum(prediction["stage_param_bytes"])),

@@ -51,8 +51,10 @@ def test_one_collective(mesh, x, body, out_specs, kind, nbytes, groups, pairs, r
   assert summary == {k: {"count": int(k == kind), "bytes": nbytes * (k == kind),
                          "count_min": int(k == kind), "count_max": int(k == kind),
                          "bytes_min": nbytes * (k == kind), "bytes_max": nbytes * (k == kind),
+                         "count_mean": int(k == kind), "bytes_mean": nbytes * (k == kind),
                          "received_min": pytest.approx(received * (k == kind)),
-                         "received_max": pytest.approx(received * (k == kind))}
+                         "received_max": pytest.approx(received * (k == kind)),
+                         "received_mean": pytest.approx(received * (k == kind))}
                      for k in hlo.KINDS}
   assert hlo.stablehlo_collectives(lowered.as_text()) == {
       k: int(k == kind) for k in hlo.KINDS}
@@ -173,10 +175,11 @@ def _scan_with_conds(a):
 
 def _check_scan_with_conds(summary):
   assert summary["all-reduce"] == {"count": 1, "bytes": SHARD_BYTES, "count_min": 5,
-                                   "count_max": 5, "bytes_min": 5 * SHARD_BYTES,
-                                   "bytes_max": 5 * SHARD_BYTES,
+                                   "count_max": 5, "count_mean": 5, "bytes_min": 5 * SHARD_BYTES,
+                                   "bytes_max": 5 * SHARD_BYTES, "bytes_mean": 5 * SHARD_BYTES,
                                    "received_min": pytest.approx(5 * 2 * 7 / 8 * SHARD_BYTES),
-                                   "received_max": pytest.approx(5 * 2 * 7 / 8 * SHARD_BYTES)}
+                                   "received_max": pytest.approx(5 * 2 * 7 / 8 * SHARD_BYTES),
+                                   "received_mean": pytest.approx(5 * 2 * 7 / 8 * SHARD_BYTES)}
   permute = summary["collective-permute"]
   assert permute["count"] == 2
   assert (permute["count_min"], permute["count_max"]) == (3, 3 + 5)
@@ -276,6 +279,9 @@ def test_per_step_follows_a_device_dependent_branch():
   assert per_step["all-reduce"]["bytes_min"] == 0  # Devices 2 and 3.
   assert per_step["all-reduce"]["bytes_max"] == 4 * 16 + 4 * 16  # Devices 0 and 1, + bounded.
   assert per_step["all-gather"]["bytes_max"] == 4 * 64 + 4 * 64
+  # The mean device: half of them take each branch; the bounded conditional at its costliest.
+  assert per_step["all-reduce"]["bytes_mean"] == 4 * 16 / 2 + 4 * 16
+  assert per_step["all-gather"]["bytes_mean"] == 4 * 64 / 2 + 4 * 64
 
 
 def test_per_step_follows_a_predicate_conditional():

@@ -155,12 +155,16 @@ def test_replicated_ring_adds_one_all_reduce_over_replicas():
 
 
 def test_one_collective_permute_per_route_and_pair_list():
-  """A slot's stage messages are one ppermute, its gradient messages another: the loop body
-  holds one collective-permute per route and pair list (the replicated fixture)."""
+  """A slot's stage messages are one ppermute a message class, its gradient messages another:
+  the loop body holds one collective-permute per route, class and pair list (the replicated
+  fixture)."""
   zero_plan = plan.zero_plan(schedule.delay_matrix("cdp-v2", 4, 4), 2)
   text = hlo_for(4, "cdp-v2", 2, replicas=2)
   found = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
-  lists = [zero_plan.routes(*route)[1] for route in plan.ROUTES[:2]]  # No model state.
+  classes = zero.message_classes(
+      ref.staged_of("residual_mlp", 4, pad_to=zero.pad_to(4, "cyclic")), 4)
+  lists = [zero_plan.routes(*route, stages)[1]  # No model state.
+           for route in plan.ROUTES[:2] for _, stages in classes]
   assert len(found) == sum(len(pair_lists) - 1 for pair_lists in lists)
 
 
@@ -246,6 +250,34 @@ def test_plan_sends_each_stage_once_per_use_and_lands_gradients_at_owners():
     assert Counter((t.src, t.dst, t.stage) for t in grads) == Counter(
         {(i, num_workers - 1 - j, j): 1 for i in range(num_workers) for j in range(num_workers)
          if i != num_workers - 1 - j})
+
+
+@pytest.mark.parametrize("name,num_workers,num_classes",
+                         [("resnet18", 4, 3), ("resnet18", 2, 2), ("residual_mlp", 4, 1)])
+def test_message_classes_pad_their_stages_by_at_most_five_percent(name, num_workers, num_classes):
+  """Each stage in one class; a class's messages are its largest stage's (in whole tiles) and
+  at most 5% over its stages' own; stages of like size share a permute."""
+  staged = ref.staged_of(name, num_workers, pad_to=zero.pad_to(num_workers, "cyclic"))
+  tiled = [min(-(-p // 1024) * 1024, staged.param_size) for p in staged.stage_param_sizes()]
+  classes = zero.message_classes(staged, num_workers)
+  assert sorted(j for _, stages in classes for j in stages) == list(range(num_workers))
+  for size, stages in classes:
+    assert size == max(tiled[j] for j in stages)
+    assert size * len(stages) <= 1.05 * sum(tiled[j] for j in stages)
+  assert len(classes) == num_classes
+
+
+def test_each_message_class_travels_at_its_own_size():
+  """ResNet-18 cut by FLOPs: the stage and gradient permutes of the compiled step are each as
+  long as their class (its stage and the model state), not the largest stage."""
+  ex = executor_of("resnet18", "cdp-v2", 2, scan_steps=2)
+  batch = ref.batches("resnet18", 2, num_steps=2)
+  text = ex.lower(initial_state(ex, "resnet18", 2), batch).compile().as_text()
+  staged = ref.staged_of("resnet18", 2, pad_to=zero.pad_to(2, "cyclic"))
+  sizes = {4 * (size + staged.state_size) for size, _ in zero.message_classes(staged, 2)}
+  found = Counter(c.bytes for c in hlo.collectives(text) if c.kind == "collective-permute")
+  assert len(sizes) == 2 and sizes <= set(found)
+  assert set(found) <= sizes | {4 * 2 * staged.state_size}  # And the model-state ring.
 
 
 def test_model_states_are_one_nth_of_the_replicated_engine():

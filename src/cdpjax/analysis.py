@@ -52,6 +52,9 @@ class Workload(NamedTuple):
       ZeRO strategies then count no buffer of their own for it.
     input_bytes: a micro-batch's input rows and labels, which a device holds
       for the step (a pipeline device, its pipeline's ``N`` micro-batches).
+    message_bytes: bytes of each stage's point-to-point message where
+      CDP+ZeRO sends it in a class of like-sized stages
+      (`cdpjax.executed.zero.message_classes`); empty: ``P_j``.
   """
   stage_param_bytes: tuple
   stage_activation_bytes: tuple
@@ -60,6 +63,11 @@ class Workload(NamedTuple):
   stage_recompute_bytes: tuple = ()
   transient_gradient: bool = False
   input_bytes: float = 0.0
+  message_bytes: tuple = ()
+
+  @property
+  def stage_message_bytes(self) -> tuple:
+    return self.message_bytes or self.stage_param_bytes
 
   @property
   def num_stages(self) -> int:
@@ -85,7 +93,7 @@ def _per_stage(value, num_stages: int, name: str) -> tuple:
 
 def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor: float = 1.0,
              boundary_bytes=None, recompute_bytes=0.0, transient_gradient=False,
-             input_bytes=0.0) -> Workload:
+             input_bytes=0.0, message_bytes=()) -> Workload:
   """A ``Workload`` from totals (split evenly over stages) or per-stage sequences.
 
   Args:
@@ -102,6 +110,7 @@ def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor
     transient_gradient: ``recompute_bytes`` include the backward's gradient
       (`Workload.transient_gradient`).
     input_bytes: a micro-batch's input rows and labels (`Workload.input_bytes`).
+    message_bytes: ``J`` numbers, or empty (`Workload.message_bytes`).
   """
   if int(num_stages) != num_stages or num_stages < 1:
     raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
@@ -117,8 +126,9 @@ def workload(param_bytes, activation_bytes, num_stages: int, *, optimizer_factor
       raise ValueError(
           f"boundary_bytes has {len(boundary)} entries; need J - 1 = {num_stages - 1}.")
   recompute = _per_stage(recompute_bytes, num_stages, "recompute_bytes")
+  messages = _per_stage(message_bytes, num_stages, "message_bytes") if len(message_bytes) else ()
   return Workload(params, acts, boundary, float(optimizer_factor), recompute,
-                  bool(transient_gradient), float(input_bytes))
+                  bool(transient_gradient), float(input_bytes), messages)
 
 
 class Network(NamedTuple):
@@ -578,7 +588,8 @@ def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
   The messages are the executor's (`plan.cyclic_transfers`): per step and
   stage, each of the ``N-1`` non-owners receives the stage from the owner once
   for its forward and once for its backward, and sends the owner its
-  gradient, ``3(N-1)`` point-to-point messages of ``P_j`` bytes. The owner
+  gradient, ``3(N-1)`` point-to-point messages of ``P_j`` bytes (of its
+  message class, `Workload.message_bytes`). The owner
   keeps the gradients' sum (``grads``); a device holds the stage it uses, the
   gradient it receives as owner and the one it sends (``buffers``; the sent one
   in the transient where `Workload.transient_gradient`). Its
@@ -600,7 +611,7 @@ def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
               for j, p in enumerate(w.stage_param_bytes)]
   transfers = plan_lib.cyclic_transfers(schedule.resolve(rule, n, J))
   hops = len(transfers) // n  # Messages per step received by the average device.
-  total = float(sum(w.stage_param_bytes[t.stage] for t in transfers))
+  total = float(sum(w.stage_message_bytes[t.stage] for t in transfers))
   comms = (Communication("p2p", "parameters+gradients", 2, hops, total / n, total / n,
                          total, hops * net.alpha + total / n * net.beta),)
   c = Cost("cdp+zero", n, _busiest(memories),

@@ -300,11 +300,13 @@ def summary(result: dict) -> str:
       *[f"  {key:<15} {_gib(m[key + '_bytes'])}" for key in
         ("argument", "output", "temp", "alias", "peak")],
       "collectives per chip and step (loops' trips and the branches taken counted; "
-      "a range where a branch depends on data):",
+      "a range from the least to the busiest chip, or where a branch depends on data):",
       *[f"  {kind:<20} {_range(c['count_min'], c['count_max'], '.0f'):>9} ops "
         f"{_range(c['bytes_min'] / (1 << 20), c['bytes_max'] / (1 << 20), '.2f'):>21} MiB "
         f"({c['count']} instructions; received over links "
-        f"{_range(c['received_min'] / (1 << 20), c['received_max'] / (1 << 20), '.2f')} MiB)"
+        f"{_range(c['received_min'] / (1 << 20), c['received_max'] / (1 << 20), '.2f')} MiB"
+        + (f", mean {c['received_mean'] / (1 << 20):.2f}"
+           if c["received_min"] != c["received_max"] else "") + ")"
         for kind, c in result["collectives"].items() if c["count"]],
   ]
   if not any(c["count"] for c in result["collectives"].values()):

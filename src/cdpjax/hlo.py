@@ -246,11 +246,11 @@ def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
 def collective_summary(hlo_text: str, steps_per_call: int = 1) -> dict[str, dict]:
   """Per kind of `KINDS` (zeros included), the collectives of compiled HLO, static and per step.
 
-  ``count`` and ``bytes`` are static: each instruction once. ``count_min``,
-  ``count_max``, ``bytes_min`` and ``bytes_max`` are per step
-  (`collectives_per_step`): weighted by loop trip counts and divided by
-  ``steps_per_call``, with every conditional taking its cheapest (``_min``) or
-  its costliest (``_max``) branch.
+  ``count`` and ``bytes`` are static: each instruction once. The figures of
+  `collectives_per_step` (``count_min``, ..., ``received_mean``) are per step:
+  weighted by loop trip counts and divided by ``steps_per_call``, with the
+  branches the slot tables take on each device (the least busy device's, the
+  busiest's, their mean) and every other conditional bounded.
   """
   summary = {kind: {"count": 0, "bytes": 0} for kind in KINDS}
   for c in collectives(hlo_text):
@@ -493,9 +493,9 @@ def _branch_names(match) -> list[str]:
 
 
 def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, dict[str, float]]:
-  """``{kind: {"count_min", "count_max", "bytes_min", "bytes_max", "received_min",
-  "received_max"}}`` per step, per device (``received``: `Collective.received_bytes`,
-  averaged over the devices).
+  """``{kind: {"count_min", "count_max", "count_mean", "bytes_min", ..., "received_mean"}}``
+  per step, per device (``received``: `Collective.received_bytes`, averaged over the
+  devices).
 
   Each collective counts as often as the loops around it run (their trip
   counts, `_loop`), divided by ``steps_per_call`` (the steps one call runs,
@@ -503,25 +503,26 @@ def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, di
   index is a static function of the loop counter and the device (the
   executed timetables' slot tables: constants indexed by the slot, the
   stage's ``axis_index``) counts the branch it takes at each trip, on each
-  device (`_Evaluator`); ``_min`` and ``_max`` are then the least and most
-  busy device's. Any other conditional is bounded: ``_min`` takes its cheapest
-  branch (per kind), ``_max`` its costliest. A loop whose trip count cannot
-  be read counts once, with a warning. Without loops and conditionals, min =
-  max = the static `collective_summary`.
+  device (`_Evaluator`); ``_min``, ``_max`` and ``_mean`` are then the least
+  busy device's, the busiest's and the devices' mean. Any other conditional is
+  bounded: ``_min`` takes its cheapest branch (per kind), ``_max`` and
+  ``_mean`` its costliest. A loop whose trip count cannot be read counts once,
+  with a warning. Without loops and conditionals, min = max = mean = the
+  static `collective_summary`.
   """
   if int(steps_per_call) != steps_per_call or steps_per_call < 1:
     raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}.")
   counter = _Counter(hlo_text)
   total = counter.ranges(counter.entry) / steps_per_call
-  return {kind: {"count_min": float(total[0, 0, i]), "count_max": float(total[1, 0, i]),
-                 "bytes_min": float(total[0, 1, i]), "bytes_max": float(total[1, 1, i]),
-                 "received_min": float(total[0, 2, i]), "received_max": float(total[1, 2, i])}
+  return {kind: {f"{figure}_{bound}": float(total[b, f, i])
+                 for f, figure in enumerate(("count", "bytes", "received"))
+                 for b, bound in enumerate(("min", "max", "mean"))}
           for i, kind in enumerate(KINDS)}
 
 
 def _zeros() -> np.ndarray:
-  """``[min|max, count|bytes|received, kind]``: the figures of one run of some HLO."""
-  return np.zeros((2, 3, len(KINDS)))
+  """``[min|max|mean, count|bytes|received, kind]``: the figures of one run of some HLO."""
+  return np.zeros((3, 3, len(KINDS)))
 
 
 class _Counter:
@@ -551,9 +552,10 @@ class _Counter:
     return self.memo[name]
 
   def bounded(self, branches) -> np.ndarray:
-    """A conditional: its cheapest branch per kind (min) and its costliest (max)."""
+    """A conditional: its cheapest branch per kind (min) and its costliest (max, and the
+    mean device's: which branch it takes is not known)."""
     each = np.stack([self.ranges(b) for b in branches])
-    return np.stack([each[:, 0].min(axis=0), each[:, 1].max(axis=0)])
+    return np.stack([each[:, 0].min(axis=0), each[:, 1].max(axis=0), each[:, 2].max(axis=0)])
 
   def line_ranges(self, name: str, defs, line: str) -> np.ndarray:
     """What one instruction of computation ``name`` runs: a loop, a conditional or called
@@ -585,7 +587,8 @@ class _Counter:
       per_device = [sum((loop.trip(i, d) for i in range(trips)), _zeros())
                     for d in self.devices]
     per_device = np.broadcast_to(per_device, (len(per_device),) + _zeros().shape)
-    return trips * rest + np.stack([per_device[:, 0].min(axis=0), per_device[:, 1].max(axis=0)])
+    return trips * rest + np.stack([per_device[:, 0].min(axis=0), per_device[:, 1].max(axis=0),
+                                    per_device[:, 2].mean(axis=0)])
 
 
 class _LoopBody:

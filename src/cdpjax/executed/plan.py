@@ -259,22 +259,28 @@ class ZeroPlan(NamedTuple):
                                        max(version, 0)))
     return sorted(events)
 
-  def routes(self, kind: str, route: str) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+  def routes(self, kind: str, route: str, stages=None
+             ) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
     """Per slot, which of the distinct pair lists the messages of ``(kind, route)`` use.
 
     Returns ``(index [S], pair lists)``; list 0 is empty (no message). Each
-    list has distinct sources and targets: one ``ppermute``. The stage
-    messages also carry an owner's own use as a pair ``(o, o)`` (a copy on the
-    device, no link): the permute's result is then the stage every user reads,
-    where a select between it and the owner's would be a stage-sized buffer of
-    its own (measured on the TPU: docs/design_notes.md).
+    list has distinct sources and targets: one ``ppermute``. ``stages``: only
+    the messages of those stages (one message class, `zero.message_classes`);
+    by default all. The stage and gradient messages also carry an owner's own
+    use as a pair ``(o, o)`` (a copy on the device, no link): the permute's
+    result is then the stage every user reads, and the gradient every owner
+    adds, where a select between it and the owner's would be a stage-sized
+    buffer of its own (measured on the TPU: docs/design_notes.md).
     """
+    stages = range(self.kind.shape[1]) if stages is None else stages
     by_slot = defaultdict(set)
     for t in self.transfers:
-      if (t.kind, t.route) == (kind, route):
+      if (t.kind, t.route) == (kind, route) and t.stage in stages:
         by_slot[t.slot].add((t.src, t.dst))
-    if (kind, route) == ("param", "owner"):
-      for slot, i in zip(*np.nonzero((self.source == LOCAL) & (self.kind != IDLE))):
+    if route == "owner":
+      used = {"param": self.kind != IDLE, "grad": self.kind == BWD}[kind]
+      local = (self.source == LOCAL) & used & np.isin(self.stage, list(stages))
+      for slot, i in zip(*np.nonzero(local)):
         by_slot[int(slot)].add((int(i), int(i)))
     lists, index = [()], np.zeros(self.num_slots, np.int32)
     for slot, pairs in sorted(by_slot.items()):
@@ -285,11 +291,14 @@ class ZeroPlan(NamedTuple):
       index[slot] = lists.index(pairs)
     return index, [list(p) for p in lists]
 
-  def num_permutes(self, model_states: bool = True) -> int:
-    """Collective-permutes a call runs: one per slot and route with messages (the model-state
-    ring's only for a model with ``model_states``)."""
-    routes = ROUTES if model_states else ROUTES[:2]
-    return sum(int((self.routes(*route)[0] != 0).sum()) for route in routes)
+  def num_permutes(self, model_states: bool = True, classes=(None,)) -> int:
+    """Collective-permutes a call runs: one per slot, route with messages and message class
+    (``classes``: the stages of each, `zero.message_classes`; by default one of all stages),
+    the model-state ring's only for a model with ``model_states``."""
+    runs = [self.routes(*route, stages)[0] for route in ROUTES[:2] for stages in classes]
+    if model_states:
+      runs.append(self.routes(*ROUTES[2])[0])
+    return sum(int((index != 0).sum()) for index in runs)
 
 
 def zero_slots(num_stages: int, num_steps: int) -> int:

@@ -14,16 +14,24 @@ call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
 
 - The owner sends the version the rule prescribes straight to the worker that
   uses it, just in time: the slot's stage messages (and the owner's own use, a
-  pair ``(o, o)``) are one ``lax.ppermute``
+  pair ``(o, o)``) are one ``lax.ppermute`` per message class
   (a ``lax.switch`` over the plan's distinct pair lists), and no worker holds
   a stage it is not using. Forward and backward each receive the stage once:
   no worker keeps a stage from its forward to its backward (ZeRO-3 gathers
   twice for the same reason).
 - A backward's gradient goes straight to the owner, right after it (one
-  ``ppermute`` a slot), and the owner adds it to the one sum it keeps. The
-  owner applies the optimizer at the start of the slot after worker ``N-1``'s
-  backward, before its own forward of the next step; the next step's first
-  gradient of the stage comes one slot later.
+  ``ppermute`` a slot and class, the owner's own as a pair ``(o, o)``), and
+  the owner adds it to the one sum it keeps. The owner applies the optimizer
+  at the start of the slot after worker ``N-1``'s backward, before its own
+  forward of the next step; the next step's first gradient of the stage
+  comes one slot later.
+- Message classes (`message_classes`): one SPMD permute has one buffer size
+  on every chip, and the stages a slot's permute carries differ from worker
+  to worker. Stages of like size share a permute; a stage much smaller than
+  the largest (a ResNet cut by FLOPs) has its own, at its own size, so its
+  messages are not padded to the largest stage. Every chip then holds each
+  class's buffer. The owned stage, its versions and optimizer state stay
+  rows of the largest stage's size.
 
 An earlier version passed stages and gradient sums along the ring of workers
 (neighbours only, as the paper draws it): the same messages and bytes, but
@@ -55,8 +63,9 @@ through the engine's trees (`Trees`), as every executor's does.
 **Replicas.** On a mesh ``(replica, data)`` (``jax.make_mesh((R, N),
 ("replica", "data"))``) each replica runs its own timetable (or ZeRO-3 group) on its
 ``N*b`` rows, and each stage's gradient is summed over ``replica`` by one
-``psum`` per stage and step, where the stage updates: the engine with ``R*N``
-workers and the delay matrix tiled ``R`` times.
+``psum`` per stage and step, where the stage updates (CDP-ZeRO: at its
+message class's size): the engine with ``R*N`` workers and the delay matrix
+tiled ``R`` times.
 
 Delay compensations (`executor.RulePlan`, `compensation`): the owner
 extrapolates the version it sends or uses (weight prediction; one more version
@@ -86,7 +95,7 @@ from cdpjax import executor as executor_lib
 from cdpjax.executed import plan as plan_lib
 from cdpjax.executed.pipeline import StagedState, Trees, portable_fns
 from cdpjax.executed.device import (TPU_TILE, after as staged_after, steps_batch, vary,
-                                    with_steps_axis)
+                                    varying, with_steps_axis)
 from cdpjax.executed.staged import StagedModel
 
 AXIS = "data"
@@ -143,6 +152,35 @@ def shard_columns(staged: StagedModel, num_workers: int):
     return xp(state).stack([pad(shards[:, a:b].reshape(-1), (0, size - num_workers * (b - a)))
                             for a, b in zip(offsets[:-1], offsets[1:])])
   return to_state, from_state
+
+
+MESSAGE_PADDING = 0.05
+"""CDP-ZeRO sends its stages in classes of like size, one permute a slot and class, each
+message as long as its class's largest stage: a stage joins a class while the class's messages
+stay within this fraction of its stages' own bytes (issue 34's goal: bytes over links at most
+1.05x ZeRO-3's). Stages of one size (a transformer's) make one class; a ResNet cut by FLOPs,
+whose largest stage is 2.8x the mean, one class a stage (`message_classes`)."""
+
+
+def message_classes(staged: StagedModel, num_workers: int) -> tuple[tuple[int, tuple], ...]:
+  """``((size, stages), ...)``: the stages whose messages share a permute, largest first,
+  and the length of their messages (the largest's, in whole TPU tiles; `MESSAGE_PADDING`).
+
+  One SPMD permute has one buffer shape on every chip: a class's messages are
+  its largest stage's size, and every chip holds each class's buffer (the
+  classes' sizes summed, where one class held the largest stage's).
+  """
+  unit = pad_to(num_workers, "cyclic")
+  sizes = [min(-(-size // unit) * unit, staged.param_size) for size in staged.stage_param_sizes()]
+  classes = []
+  for j in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+    if classes:
+      size, stages = classes[-1]
+      if size * (len(stages) + 1) <= (1 + MESSAGE_PADDING) * sum(sizes[k] for k in stages + (j,)):
+        classes[-1] = (size, stages + (j,))
+        continue
+    classes.append((sizes[j], (j,)))
+  return tuple((size, tuple(sorted(stages))) for size, stages in classes)
 
 
 def owner(stage: int, num_stages: int) -> int:
@@ -242,10 +280,11 @@ def _metrics_row(loss_K, grad_sq_KxJ, param_sq_KxJ):
   return jnp.concatenate([loss_K[:, None], grad_sq_KxJ, param_sq_KxJ], axis=1)[None]
 
 
-def _version(versions, index):
-  """``versions[index]`` for a traced index: a select per buffer, fused where it is read."""
-  return functools.reduce(lambda acc, k: jnp.where(index == k, versions[k], acc),
-                          range(1, len(versions)), versions[0])
+def _select(options, index):
+  """``options[index]`` for a traced index (buffers of one shape): a select per buffer, fused
+  where it is read."""
+  return functools.reduce(lambda acc, k: jnp.where(index == k, options[k], acc),
+                          range(1, len(options)), options[0])
 
 
 class _Carry(NamedTuple):
@@ -281,7 +320,14 @@ class Ring(NamedTuple):
   axes: tuple
   num_replicas: int
   plan: plan_lib.ZeroPlan
+  classes: tuple  # `message_classes`: ((size, stages), ...).
   dc_delays: tuple = ()  # With DC-ASGD: the delays d > 0 whose g * g sums the chains carry.
+
+  @property
+  def stage_class(self) -> tuple[int, ...]:
+    """The message class of each stage."""
+    return tuple(next(c for c, (_, stages) in enumerate(self.classes) if j in stages)
+                 for j in range(self.num_workers))
 
   @property
   def size_q(self) -> int:
@@ -293,14 +339,15 @@ class Ring(NamedTuple):
     """Typed for the carry: the owned stage is the same on every replica, the rest is not."""
     return vary(tree, (AXIS,) if state else self.axes)
 
-  def route(self, name, slot, after, make, *operands):
-    """The messages ``name`` of ``plan.ROUTES`` at ``slot``: ``ppermute(make(*operands))`` over
-    the slot's pair list (the buffer delivered here; zeros where none is).
+  def route(self, name, slot, after, make, *operands, stages=None):
+    """The messages ``name`` of ``plan.ROUTES`` at ``slot`` (of ``stages``, one message class;
+    by default all): ``ppermute(make(*operands))`` over the slot's pair list (the buffer
+    delivered here; zeros where none is).
 
     The buffer sent depends on ``after`` (the previous collective's result, or
     None; `device.after`), which fixes the order of the two collectives.
     """
-    index, pair_lists = self.plan.routes(*name)
+    index, pair_lists = self.plan.routes(*name, stages)
     index = jnp.asarray(index)[slot]
     shape = jax.eval_shape(make, *operands)
 
@@ -320,20 +367,42 @@ def _read(carry: _Carry, version, delay, predict: bool):
   """The owner's read of its stage ``version`` rows behind its newest, ``delay`` steps stale
   for the reader: with weight prediction, extrapolated (`compensation.predicted`)."""
   num_versions = len(carry.versions_V)
-  theta = _version(carry.versions_V, (carry.head + version) % num_versions)
+  theta = _select(carry.versions_V, (carry.head + version) % num_versions)
   if not predict:
     return theta
   return compensation.predicted(
-      theta, _version(carry.versions_V, (carry.head + version + 1) % num_versions), delay)
+      theta, _select(carry.versions_V, (carry.head + version + 1) % num_versions), delay)
+
+
+def _widen(ring: Ring, message, size: int):
+  """A gradient message of class size ``size`` (``[S][M][S]*D``) laid out as the owner's sum
+  (``[P][M][P]*D``, `Ring.size_q`)."""
+  if size == ring.size_p:
+    return message
+  pad = jnp.zeros((ring.size_p - size,), message.dtype)
+  parts = [message[:size], pad, message[size:size + ring.size_m]]
+  for k in range(len(ring.dc_delays)):
+    parts += [message[size + ring.size_m + k * size:][:size], pad]
+  return jnp.concatenate(parts)
+
+
+def _narrow(ring: Ring, acc, size: int):
+  """The owner's sum without its stage's padding: `_widen`'s inverse."""
+  if size == ring.size_p:
+    return acc
+  start = ring.size_p + ring.size_m
+  return jnp.concatenate([acc[:size], acc[ring.size_p:start]] + [
+      acc[start + k * ring.size_p:][:size] for k in range(len(ring.dc_delays))])
 
 
 def _update(ring: Ring, tx, rule: executor_lib.RulePlan, acc, carry: _Carry, step,
-            first_step) -> _Carry:
+            first_step, size: int) -> _Carry:
   """The owner's optimizer step on its stage, with its messages' sum ``acc`` (and the
-  replicas'), of the call's step ``step`` (the run's ``first_step + step``)."""
-  if ring.num_replicas > 1:
-    acc = jax.lax.psum(acc, REPLICA)  # The one all-reduce of this stage and step.
-  params = _version(carry.versions_V, carry.head)
+  replicas'), of the call's step ``step`` (the run's ``first_step + step``); the stage's
+  message class is ``size`` long."""
+  if ring.num_replicas > 1:  # The one all-reduce of this stage and step, at the stage's size.
+    acc = _widen(ring, jax.lax.psum(_narrow(ring, acc, size), REPLICA), size)
+  params = _select(carry.versions_V, carry.head)
   grads = acc[:ring.size_p]
   for k, d in enumerate(ring.dc_delays):  # DC-ASGD: the sum of g * g (theta_t - theta_read).
     squares = acc[ring.size_p * (1 + k) + ring.size_m:][:ring.size_p]
@@ -360,35 +429,50 @@ def _update(ring: Ring, tx, rule: executor_lib.RulePlan, acc, carry: _Carry, ste
 def _branches(staged: StagedModel, ring: Ring):
   """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
 
-  Operands ``(carry, event, received_H, state_2M, me, x, labels)``, ``received_H`` the
-  stage and its model state (``H = P + M``); results ``(boundary, stash_IA, stash_JxM,
-  next_JxM, head_H, tail_E, state_2M, loss)``: a backward's gradient message is ``head_H``
-  (the gradient, the next model state) then ``tail_E`` (DC-ASGD's squares). Elsewhere
-  ``head_H`` is ``received_H`` passed through and ``tail_E`` zeros: no worker outside a
-  backward sends a gradient, and the branches' common result takes the buffer of the
-  stage received, which a backward no longer reads once it has its leaves. A result of
-  zeros would hold a stage-sized buffer of its own through every branch (the TPU compiler
-  keeps a conditional's result in one place across its branches): 0.3 GiB of heap on the
-  1B transformer (BENCHMARKS.md, "Pod plan"). The stage functions read ``received_H``
-  whole (its leaves lie at its start) and a backward's gradient is ``H`` long, its
-  model-state part then set: a slice ``[:P]`` would be a copy of the stage.
+  Operands ``(carry, event, received_C, state_2M, me, x, labels)``, ``received_C`` the
+  slot's stage messages, one a message class (`message_classes`): class ``c``'s a stage of
+  the class (``S_c``) then its model state (``M``); stage ``j`` reads its class's. Results
+  ``(boundary, stash_IA, stash_JxM, next_JxM, head_C, tail_C, state_2M, loss)``: a
+  backward's gradient message is ``head_C`` of its stage's class (the gradient, the next
+  model state) then ``tail_C`` of it (DC-ASGD's squares). Elsewhere ``head_C`` is
+  ``received_C`` passed through and ``tail_C`` zeros: no worker outside a backward sends a
+  gradient, and the branches' common result takes the buffer of the stage received, which a
+  backward no longer reads once it has its leaves. A result of zeros would hold a
+  stage-sized buffer of its own through every branch (the TPU compiler keeps a
+  conditional's result in one place across its branches): 0.3 GiB of heap on the 1B
+  transformer (BENCHMARKS.md, "Pod plan"). The stage functions read a message whole (its
+  leaves lie at its start) and a backward's gradient is as long, its model-state part then
+  set: a slice ``[:S_c]`` would be a copy of the stage.
   """
-  size_p, size_m, last = ring.size_p, ring.size_m, ring.num_workers - 1
-  size_e = ring.size_q - size_p - size_m
+  size_m, last, classes = ring.size_m, ring.num_workers - 1, ring.classes
+  stage_class = ring.stage_class
+  num_dc = len(ring.dc_delays)
+
+  def tails():
+    return tuple(jnp.zeros((num_dc * size,), jnp.float32) for size, _ in classes)
+
+  def per_stage(j, fn, received_C, *operands):
+    """``fn(k, message, received_C, *operands)`` for the traced stage ``j`` (a switch), its
+    stage's message (static ``k``) read from its class."""
+    axes = varying((received_C, *operands)) | varying(j)
+    return jax.lax.switch(j, [
+        lambda rc, *ops, k=k: vary(fn(k, rc[stage_class[k]], rc, *ops), axes)
+        for k in range(ring.num_workers)], received_C, *operands)
 
   def stash_row(j, size):  # Stage j's input in the stash (stage 0's, never read, at 0).
     return (jnp.maximum(j - 1, 0) * size,)
 
   def idle(ops):
     c, received = ops[0], ops[2]
-    return ring.vary((c.boundary_A, c.stash_IA, c.stash_JxM, c.next_JxM, received,
-                      jnp.zeros((size_e,), jnp.float32), jnp.zeros((2 * size_m,), jnp.float32),
-                      jnp.zeros((), jnp.float32)))
+    return ring.vary((c.boundary_A, c.stash_IA, c.stash_JxM, c.next_JxM, received, tails(),
+                      jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   def forward(ops):
     c, ev, received, state, me, x, labels = ops
     j, read = ev["stage"], state[:size_m]
-    h, loss, new_state = staged.apply(j, received, read, c.boundary_A, x, labels)
+    h, loss, new_state = per_stage(
+        j, lambda k, message, _, *ops: staged.apply(k, message, *ops),
+        received, read, c.boundary_A, x, labels)
     total = state[size_m:] + new_state
     mean = total / ring.num_workers
     # Worker N-1 closes the sum: the state of step t+1 goes on to the next step and the owner.
@@ -397,22 +481,29 @@ def _branches(staged: StagedModel, ring: Ring):
     stash = jax.lax.dynamic_update_slice(c.stash_IA, c.boundary_A,
                                          stash_row(j, c.boundary_A.size))
     return ring.vary((h, stash, c.stash_JxM.at[j].set(read),
-                      c.next_JxM.at[j].set(mean), received, jnp.zeros((size_e,), jnp.float32),
-                      msg, loss))
+                      c.next_JxM.at[j].set(mean), received, tails(), msg, loss))
 
   def backward(ops):
     c, ev, received, _, me, x, labels = ops
     j = ev["stage"]
     size_a = c.boundary_A.size
     h_in = jax.lax.dynamic_slice(c.stash_IA, stash_row(j, size_a), (size_a,))
-    grads, cot = staged.vjp(j, received, c.stash_JxM[j], h_in, x, labels, c.boundary_A)
     next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
-    # DC-ASGD: the owner adds dc_lambda * g * g * (theta_t - theta_read) per delay d.
-    squares = [jnp.where(ev["delay"] == d, grads[:size_p] * grads[:size_p], 0.0)
-               for d in ring.dc_delays]
-    return ring.vary((cot, c.stash_IA, c.stash_JxM, c.next_JxM,
-                      jax.lax.dynamic_update_slice(grads, next_state, (size_p,)),
-                      jnp.concatenate(squares) if squares else jnp.zeros((0,), jnp.float32),
+
+    def stage_backward(k, message, received, state_m, h_in, x, labels, cot, next_state, delay):
+      grads, cot = staged.vjp(k, message, state_m, h_in, x, labels, cot)
+      size = classes[stage_class[k]][0]
+      # DC-ASGD: the owner adds dc_lambda * g * g * (theta_t - theta_read) per delay d.
+      squares = [jnp.where(delay == d, grads[:size] * grads[:size], 0.0)
+                 for d in ring.dc_delays]
+      head = jax.lax.dynamic_update_slice(grads, next_state, (size,))
+      mine = lambda c, own, other: own if c == stage_class[k] else other
+      return (cot, tuple(mine(c, head, r) for c, r in enumerate(received)),
+              tuple(mine(c, jnp.concatenate(squares) if squares else t, t)
+                    for c, t in enumerate(tails())))
+    cot, heads, tail = per_stage(j, stage_backward, received, c.stash_JxM[j], h_in, x, labels,
+                                 c.boundary_A, next_state, ev["delay"])
+    return ring.vary((cot, c.stash_IA, c.stash_JxM, c.next_JxM, heads, tail,
                       jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
 
   return [idle, forward, backward]
@@ -425,39 +516,59 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
   plan = plan_lib.zero_plan(delays, num_steps)
   dc_delays = tuple(sorted(set(delays[delays > 0].tolist()))) if rule.dc_lambda else ()
   ring = Ring(staged.num_stages, staged.param_size, staged.state_size, tuple(axes),
-              num_replicas, plan, dc_delays)
+              num_replicas, plan, message_classes(staged, staged.num_stages), dc_delays)
   tables = {k: getattr(plan, k) for k in ("kind", "stage", "step", "version", "delay", "source",
                                           "serve_version", "serve_delay", "update",
                                           "update_step", "state_ring")}
   branches = _branches(staged, ring)
   size_p, size_m = ring.size_p, ring.size_m
+  stage_class = jnp.asarray(ring.stage_class)
+  update_sizes = [size for size, _ in ring.classes] if num_replicas > 1 else [size_p]
   assert (plan.update.sum(axis=0) == num_steps).all()  # `_by_age` relies on it.
 
   def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB, first_step):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
     # The sum is an operand, not a result: a result passed through is copied. The update's
     # slot receives no gradient; the sum restarts there.
-    c = jax.lax.cond(ev["update"] == 1,
-                     lambda acc, c: _update(ring, tx, rule, acc, c, ev["update_step"], first_step),
-                     lambda acc, c: c, c.acc_Q, c._replace(acc_Q=None))._replace(acc_Q=c.acc_Q)
+    owned = stage_class[ring.num_workers - 1 - me]  # The class of the stage this worker owns.
+    # With replicas, one branch per message class: the owner's all-reduce at its class's size.
+    c = jax.lax.switch(ev["update"] * (1 + (owned if num_replicas > 1 else 0)), [
+        lambda acc, c: c] + [
+        lambda acc, c, size=size: _update(ring, tx, rule, acc, c, ev["update_step"], first_step,
+                                          size) for size in update_sizes],
+        c.acc_Q, c._replace(acc_Q=None))._replace(acc_Q=c.acc_Q)
     # The owner reads the version this slot's user of its stage needs and sends it, to itself
-    # for its own use (`plan.ZeroPlan.routes`).
+    # for its own use (`plan.ZeroPlan.routes`), one permute a message class, each after the
+    # last (`device.after`: devices must not order them apart).
     served = ring.vary(_read(c, ev["serve_version"], ev["serve_delay"], rule.predict))
-    received = ring.route(("param", "owner"), slot, None, lambda *m: jnp.concatenate(m),
-                          served, ring.vary(c.model_state_M))
-    local = ev["source"] == plan_lib.LOCAL
-    state = jnp.concatenate([received[size_p:], jnp.zeros((size_m,), jnp.float32)])
-    if size_m:  # After the stage messages, which devices must not order apart (`device.after`).
+    received, after = [], None
+    for size, stages in ring.classes:
+      received.append(ring.route(
+          ("param", "owner"), slot, after,
+          lambda theta, m, size=size: jnp.concatenate([theta[:size], m]),
+          served, ring.vary(c.model_state_M), stages=stages))
+      after = received[-1][0]
+    mine = stage_class[ev["stage"]]
+    state = jnp.concatenate([
+        _select([r[size:] for r, (size, _) in zip(received, ring.classes)], mine),
+        jnp.zeros((size_m,), jnp.float32)])
+    if size_m:
       state = jnp.where(ev["state_ring"] == 1, ring.route(
-          ("state", "ring"), slot, received[0], lambda m: m[slot % 2], c.state_2x2M), state)
+          ("state", "ring"), slot, after, lambda m: m[slot % 2], c.state_2x2M), state)
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
-    boundary, stash, stash_m, next_m, head, tail, msg, loss = jax.lax.switch(
-        ev["kind"], branches, (c, ev, received, state, me, x, labels))
-    # A backward's gradient goes to the owner (zeros elsewhere); the owner's own is added here.
-    message = jnp.concatenate([head, tail]) if tail.size else head
-    grads_in = ring.route(("grad", "owner"), slot, None, lambda g: g, message)
-    own = local & (ev["kind"] == plan_lib.BWD)
-    acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q) + grads_in + jnp.where(own, message, 0.0)
+    boundary, stash, stash_m, next_m, heads, tails, msg, loss = jax.lax.switch(
+        ev["kind"], branches, (c, ev, tuple(received), state, me, x, labels))
+    # A backward's gradient goes to the owner (zeros elsewhere), the owner's own as a pair
+    # (o, o); the owner adds its class's.
+    grads_in, after = [], None
+    for (size, stages), head, tail in zip(ring.classes, heads, tails):
+      message = jnp.concatenate([head, tail]) if tail.size else head
+      grads_in.append(ring.route(("grad", "owner"), slot, after, lambda g: g, message,
+                                 stages=stages))
+      after = grads_in[-1][0]
+    incoming = _select([_widen(ring, g, size) for g, (size, _) in zip(grads_in, ring.classes)],
+                       owned)
+    acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q) + incoming
     return c._replace(
         acc_Q=acc, state_2x2M=c.state_2x2M.at[slot % 2].set(msg), boundary_A=boundary,
         stash_IA=stash, stash_JxM=stash_m, next_JxM=next_m,
