@@ -266,20 +266,19 @@ class ZeroPlan(NamedTuple):
     Returns ``(index [S], pair lists)``; list 0 is empty (no message). Each
     list has distinct sources and targets: one ``ppermute``. ``stages``: only
     the messages of those stages (one message class, `zero.message_classes`);
-    by default all. The stage and gradient messages also carry an owner's own
-    use as a pair ``(o, o)`` (a copy on the device, no link): the permute's
-    result is then the stage every user reads, and the gradient every owner
-    adds, where a select between it and the owner's would be a stage-sized
-    buffer of its own (measured on the TPU: docs/design_notes.md).
+    by default all. The stage messages also carry an owner's own use as a
+    pair ``(o, o)`` (a copy on the device, no link): the permute's result is
+    then the stage every user reads, where a select between it and the
+    owner's would be a stage-sized buffer of its own (measured on the TPU:
+    docs/design_notes.md).
     """
     stages = range(self.kind.shape[1]) if stages is None else stages
     by_slot = defaultdict(set)
     for t in self.transfers:
       if (t.kind, t.route) == (kind, route) and t.stage in stages:
         by_slot[t.slot].add((t.src, t.dst))
-    if route == "owner":
-      used = {"param": self.kind != IDLE, "grad": self.kind == BWD}[kind]
-      local = (self.source == LOCAL) & used & np.isin(self.stage, list(stages))
+    if (kind, route) == ("param", "owner"):
+      local = (self.source == LOCAL) & (self.kind != IDLE) & np.isin(self.stage, list(stages))
       for slot, i in zip(*np.nonzero(local)):
         by_slot[int(slot)].add((int(i), int(i)))
     lists, index = [()], np.zeros(self.num_slots, np.int32)

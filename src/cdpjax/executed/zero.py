@@ -20,8 +20,8 @@ call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
   no worker keeps a stage from its forward to its backward (ZeRO-3 gathers
   twice for the same reason).
 - A backward's gradient goes straight to the owner, right after it (one
-  ``ppermute`` a slot and class, the owner's own as a pair ``(o, o)``), and
-  the owner adds it to the one sum it keeps. The owner applies the optimizer
+  ``ppermute`` a slot and class), and the owner adds it to the one sum it
+  keeps. The owner applies the optimizer
   at the start of the slot after worker ``N-1``'s backward, before its own
   forward of the next step; the next step's first gradient of the stage
   comes one slot later.
@@ -558,17 +558,16 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
     x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
     boundary, stash, stash_m, next_m, heads, tails, msg, loss = jax.lax.switch(
         ev["kind"], branches, (c, ev, tuple(received), state, me, x, labels))
-    # A backward's gradient goes to the owner (zeros elsewhere), the owner's own as a pair
-    # (o, o); the owner adds its class's.
-    grads_in, after = [], None
+    # A backward's gradient goes to the owner (zeros elsewhere); the owner adds its class's,
+    # and its own gradient here.
+    own = (ev["source"] == plan_lib.LOCAL) & (ev["kind"] == plan_lib.BWD)
+    incoming, after = [], None
     for (size, stages), head, tail in zip(ring.classes, heads, tails):
       message = jnp.concatenate([head, tail]) if tail.size else head
-      grads_in.append(ring.route(("grad", "owner"), slot, after, lambda g: g, message,
-                                 stages=stages))
-      after = grads_in[-1][0]
-    incoming = _select([_widen(ring, g, size) for g, (size, _) in zip(grads_in, ring.classes)],
-                       owned)
-    acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q) + incoming
+      grads_in = ring.route(("grad", "owner"), slot, after, lambda g: g, message, stages=stages)
+      after = grads_in[0]
+      incoming.append(_widen(ring, grads_in + jnp.where(own, message, 0.0), size))
+    acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q) + _select(incoming, owned)
     return c._replace(
         acc_Q=acc, state_2x2M=c.state_2x2M.at[slot % 2].set(msg), boundary_A=boundary,
         stash_IA=stash, stash_JxM=stash_m, next_JxM=next_m,
