@@ -86,6 +86,14 @@ def test_delay_compensations_match_the_engine(rule, timetable, scan_steps, repli
                             replicas=replicas or 1, compensated=True)
 
 
+def test_message_classes_with_replicas_and_compensations_match_the_engine():
+  """ResNet-18 at N = 2: two message classes (`zero.message_classes`), each owner's replica
+  all-reduce at its class's size, DC-ASGD's squares and weight prediction at it."""
+  metrics, variables, _ = zero_run("resnet18", "cdp-v2", 2, 2, 2, compensated=True)
+  ref.assert_matches_engine(metrics, variables, "resnet18", "cdp-v2", 2, replicas=2,
+                            compensated=True)
+
+
 @pytest.mark.parametrize("scan_steps", [None, 2])
 def test_three_versions_of_the_owned_stage_match_the_engine(scan_steps):
   """Delays of 1 and 2 steps: three buffers per owner, relabelled by age after 1 and 2 steps."""
