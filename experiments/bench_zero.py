@@ -89,11 +89,12 @@ def bytes_sent_per_device(hlo_text: str, num_workers: int) -> np.ndarray:
   return sent
 
 
-def plan_bytes_sent_per_step(delays, num_steps: int, stage_bytes: int) -> np.ndarray:
-  """Bytes each device sends per step of a ``K``-step cyclic call, from its slot plan."""
+def plan_bytes_sent_per_step(delays, num_steps: int, message_bytes) -> np.ndarray:
+  """Bytes each device sends per step of a ``K``-step cyclic call, from its slot plan
+  (``message_bytes``: each stage's message, its class's size)."""
   sent = np.zeros(delays.shape[0])
   for t in plan.cyclic_transfers(delays, num_steps):  # The MLP has no model state to send.
-    sent[t.src] += stage_bytes
+    sent[t.src] += message_bytes[t.stage]
   return sent / num_steps
 
 
@@ -270,11 +271,16 @@ def program_figures(executable, state, staged, delays, num_steps, name) -> dict:
       "collectives": {k: v for k, v in hlo.collective_summary(text).items() if v["count"]},
   }
   row["memory"]["model_states"] = row["memory"]["parameters"] + row["memory"]["optimizer"]
-  stage_bytes = 4 * staged.param_size
+  classes = zero.message_classes(staged, num_workers)
+  stage_bytes = [4 * size for j in range(num_workers)  # The bytes each stage moves.
+                 for size, members in classes if j in members] if name == "cyclic" else [
+                     4 * num_workers * q for q in zero.shard_sizes(staged, num_workers)]
   if name == "cyclic":
     sent = plan_bytes_sent_per_step(delays, num_steps, stage_bytes)
-    # Collectives run per step: a ppermute per slot and route (the MLP has no model state).
-    runs = plan.zero_plan(delays, num_steps).num_permutes(model_states=False) / num_steps
+    # Collectives run per step: a ppermute per slot, route and message class (the MLP has no
+    # model state).
+    runs = plan.zero_plan(delays, num_steps).num_permutes(
+        model_states=False, classes=[members for _, members in classes]) / num_steps
   else:  # One step in the program (zero3's scan body, or the engine's step).
     sent = bytes_sent_per_device(text, num_workers)
     runs = sum(v["count"] for v in row["collectives"].values())

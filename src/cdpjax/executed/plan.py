@@ -350,14 +350,13 @@ def cyclic_transfers(delays, num_steps: int = 1) -> list[Transfer]:
   return [t for t in zero_plan(delays, num_steps).transfers if t.kind != "state"]
 
 
-def slot_traffic(timetable: str, num_workers: int, stage_bytes: int,
-                 rule="cdp-v2") -> dict[str, int]:
+def slot_traffic(timetable: str, num_workers: int, stage_bytes, rule="cdp-v2") -> dict[str, int]:
   """Bytes received per slot of one step, from the plan (balance figures).
 
-  A cyclic transfer moves one stage buffer (``stage_bytes``); a ZeRO-3
-  all-gather or reduce-scatter of a stage moves ``(N-1)/N`` of it per device,
-  the gathers at the stage's forward and backward slots, the reduce-scatter at
-  its backward slot.
+  A cyclic transfer moves one stage's message (``stage_bytes``: one size, or one
+  per stage); a ZeRO-3 all-gather or reduce-scatter of a stage moves ``(N-1)/N``
+  of it per device, the gathers at the stage's forward and backward slots, the
+  reduce-scatter at its backward slot.
 
   Returns:
     ``total_bytes`` (all devices), ``max_slot_bytes`` (all devices, busiest
@@ -365,13 +364,14 @@ def slot_traffic(timetable: str, num_workers: int, stage_bytes: int,
     ``num_slots``.
   """
   delays = schedule_lib.resolve(rule, num_workers, num_workers)
+  stage_bytes = np.broadcast_to(stage_bytes, (num_workers,)).astype(int).tolist()
   inbound = defaultdict(int)  # (slot, device) -> bytes.
   if timetable == "cyclic":
     for t in cyclic_transfers(delays):
-      inbound[t.slot, t.dst] += stage_bytes
+      inbound[t.slot, t.dst] += stage_bytes[t.stage]
   else:
-    share = stage_bytes * (num_workers - 1) // num_workers
     for j in range(num_workers):
+      share = stage_bytes[j] * (num_workers - 1) // num_workers
       gathers = len(set(delays[:, j].tolist())) * share
       for device in range(num_workers):
         inbound[j, device] += gathers
