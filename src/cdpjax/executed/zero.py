@@ -21,10 +21,9 @@ call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
   twice for the same reason).
 - A backward's gradient goes straight to the owner, right after it (one
   ``ppermute`` a slot and class), and the owner adds it to the one sum it
-  keeps. The owner applies the optimizer
-  at the start of the slot after worker ``N-1``'s backward, before its own
-  forward of the next step; the next step's first gradient of the stage
-  comes one slot later.
+  keeps. The owner applies the optimizer at the start of the slot after
+  worker ``N-1``'s backward, before its own forward of the next step; the
+  next step's first gradient of the stage comes one slot later.
 - Message classes (`message_classes`): one SPMD permute has one buffer size
   on every chip, and the stages a slot's permute carries differ from worker
   to worker. Stages of like size share a permute; a stage much smaller than
