@@ -415,7 +415,9 @@ def tpu_result_bytes(strategy: str, c, w, comm, num_steps: int = 1) -> float:
     return comm.payload_bytes
   if comm.what == "activations":
     return executed_permutes(strategy, c, num_steps) * max(w.boundary_bytes)
-  classes = defaultdict(list)  # CDP-ZeRO: a permute per message class, each at its size.
+  # CDP-ZeRO: a permute per message class, each at its size (classes differ in size:
+  # `zero.message_classes` puts stages of one size in one class).
+  classes = defaultdict(list)
   for j, size in enumerate(w.stage_message_bytes):
     classes[size].append(j)
   return sum(executed_permutes(strategy, c, num_steps, [stages]) * size
