@@ -24,6 +24,14 @@ stage can be scheduled before stage ``j``'s all-reduce. The tied program
 shows where the compilers then put the ``J`` all-reduces: between the stages'
 backwards.
 
+The executed timetables (``parallelism=model`` and ``zero``) run their step
+as a loop over slots: on the TPU compiler, for digits ResNet-18 with 2
+replicas of ``N = J = 4`` (tpu_plan's v5e:2x4 point), each slot's collectives
+on each chip (`hlo.collectives_per_trip`, the branch each slot takes): when,
+in the step, each stage's gradient is all-reduced over the replicas (GPipe:
+every stage after the flush; CDP: each at its stage's last backward), and
+CDP+ZeRO's stage and gradient messages slot by slot.
+
   python experiments/bench_overlap.py          # results/bench_overlap/bench_overlap.json
   python experiments/bench_overlap.py --quick  # seconds
 """
@@ -38,12 +46,14 @@ distributed.emulate_cpu_devices(8)
 
 import jax  # noqa: E402  (after the device count is set)
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from cdpjax import aot, engine, hlo, stages, tasks  # noqa: E402
+from cdpjax import aot, compiled, engine, hlo, stages, tasks  # noqa: E402
 from cdpjax.executed import staged as staged_lib  # noqa: E402
 from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
+import tpu_plan  # noqa: E402  (its v5e:2x4 points' configs)
 
 NUM_WORKERS = 8
 NUM_STAGES = 4
@@ -111,6 +121,19 @@ def measure(lowered, compiler_options) -> dict:
   }
 
 
+EXECUTED = ("gpipe", "cdp+mp", "cdp+zero")  # tpu_plan's strategies of the executed timetables.
+EXECUTED_POINT = "configs/digits.py:model=resnet18"
+
+
+def measure_executed(strategy: str, devices) -> dict:
+  """The bytes of each slot's collectives on each chip of tpu_plan's v5e:2x4 point."""
+  c = tpu_plan.point_config(EXECUTED_POINT, {}, {}, strategy, len(devices), NUM_STAGES)
+  lowered, _ = aot.build(c, devices)
+  per_trip = hlo.collectives_per_trip(compiled.hlo_text(aot.compile_uncached(lowered)))
+  return {"strategy": strategy, "point": EXECUTED_POINT, "num_replicas": c.num_replicas,
+          "slots": len(per_trip), "kinds": list(hlo.KINDS), "bytes_per_slot": per_trip.tolist()}
+
+
 def main(argv=None):
   args = _common.parser("bench_overlap", __doc__).parse_args(argv)
   out = _common.results_dir(args)
@@ -129,8 +152,12 @@ def main(argv=None):
       for combiner, options in (("on", None), ("off", NO_COMBINER)):
         rows.append({"compiler": compiler, "backward": backward, "rule": rule,
                      "combiner": combiner, **measure(lowered, options)})
+  executed = []
+  if f"tpu {TPU_TOPOLOGY}" in meshes:
+    devices = aot.topology_devices(TPU_TOPOLOGY)
+    executed = [measure_executed(strategy, devices) for strategy in EXECUTED]
   result = {"machine": _common.machine(), "num_workers": NUM_WORKERS, "num_stages": NUM_STAGES,
-            "width": width, "rows": rows}
+            "width": width, "rows": rows, "executed": executed}
   _common.write_json(out / "bench_overlap.json", result)
   print(f"{'compiler':<14} {'backward':<9} {'rule':<7} {'combiner':<8} {'stablehlo':>9} "
         f"{'compiled':>8}  compute instructions after each all-reduce (of all)")
@@ -138,6 +165,11 @@ def main(argv=None):
     print(f"{r['compiler']:<14} {r['backward']:<9} {r['rule']:<7} {r['combiner']:<8} "
           f"{r['stablehlo_all_reduces']:>9} "
           f"{r['compiled_all_reduces']:>8}  {r['compute_after']} (of {r['compute_instructions']})")
+  for r in executed:
+    per_slot = np.asarray(r["bytes_per_slot"]).sum(axis=1) / 2**20  # [slots, kinds], all chips.
+    print(f"{r['strategy']}: MiB per slot, all chips: " + "; ".join(
+        f"{kind} " + " ".join(f"{b:.2f}" for b in per_slot[:, k])
+        for k, kind in enumerate(r["kinds"]) if per_slot[:, k].any()))
   return result
 
 

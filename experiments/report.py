@@ -155,7 +155,28 @@ def bench_overlap_rows(data: dict) -> list[Row]:
       rows.append(Row(what, "the J all-reduces spread over the backward", figure, spread))
     else:
       rows.append(_info(what, figure))
-  return rows
+  return rows + [_executed_row(r, data["num_stages"]) for r in data.get("executed", ())]
+
+
+def _executed_row(r: dict, num_stages: int) -> Row:
+  """When an executed timetable's chips all-reduce their stages' gradients over the replicas:
+  each chip's largest all-reduce is its stage's gradient."""
+  per_slot = r["bytes_per_slot"]  # [slots][chips][kinds].
+  reduce, permute = ([[chip[r["kinds"].index(k)] for chip in slot] for slot in per_slot]
+                     for k in ("all-reduce", "collective-permute"))
+  slots = sorted({max(range(len(reduce)), key=lambda s: reduce[s][chip])
+                  for chip in range(len(reduce[0]))})
+  share = max(map(sum, reduce)) / sum(map(sum, reduce))
+  what = (f"tpu v5e:2x4, executed {r['strategy']} ({r['num_replicas']} replicas of N = J = "
+          f"{num_stages}, digits ResNet-18): the slots of its chips' gradient all-reduces, "
+          f"of a step's {r['slots']}")
+  figure = f"slots {slots}; the busiest holds {share:.2f} of the step's all-reduce bytes"
+  mib = [sum(slot) / 2**20 for slot in permute if sum(slot)]
+  if mib:
+    figure += f"; permutes in {len(mib)} slots, {min(mib):.2f}-{max(mib):.2f} MiB a slot (all chips)"
+  if r["strategy"].startswith("cdp"):
+    return Row(what, "the J stages' in J different slots", figure, len(slots) == num_stages)
+  return _info(what, figure)
 
 
 def _gib(gib: float) -> str:
@@ -503,7 +524,9 @@ SECTIONS = (
             "python experiments/bench_zero.py", bench_zero_rows),
     Section("bench_overlap", "Gradient all-reduces against the backward (compiled)",
             "Where the compiler puts the J = 4 gradient all-reduces of a data-parallel step: "
-            "compute instructions (of 53) after each one.",
+            "compute instructions (of 53) after each one. The executed timetables, whose step "
+            "is a loop over slots: the slot in which each chip all-reduces its stage's "
+            "gradient over the replicas (cdpjax.hlo.collectives_per_trip).",
             "python experiments/bench_overlap.py", bench_overlap_rows),
     Section("tpu_plan", "Pod plan on the TPU compiler (issue 34's goals)",
             "Each strategy's step compiled ahead of time for 256 chips (ResNet-50 on v5e:16x16, "

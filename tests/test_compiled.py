@@ -1,6 +1,7 @@
 """Collectives, memory and FLOPs read from small compiled programs on 8 CPU devices."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -335,3 +336,23 @@ def test_per_step_bounds_a_twin_that_starts_different():
   per_step = hlo.collectives_per_step(_table_copied_from_a_fourth_element("%c1"))
   assert (per_step["all-reduce"]["bytes_min"], per_step["all-reduce"]["bytes_max"]) == (
       2 * 16, 6 * 16)
+
+
+def test_per_trip_shows_each_device_and_trip():
+  """The branch on ``partition-id`` per device, the bounded one at its costliest, the permute
+  every trip."""
+  text = TPU_LOOP_HLO.replace("%parity = s32[] remainder(%k, %two)",
+                             "%pid = u32[] partition-id()\n  %parity = s32[] divide(%pid, %two)")
+  per_trip = hlo.collectives_per_trip(text)
+  assert per_trip.shape == (4, 4, len(hlo.KINDS))
+  kind = lambda name: per_trip[..., hlo.KINDS.index(name)]
+  np.testing.assert_array_equal(kind("collective-permute"), 16)
+  np.testing.assert_array_equal(kind("all-reduce"), [[16 + 16, 16 + 16, 16, 16]] * 4)
+  np.testing.assert_array_equal(kind("all-gather"), [[64, 64, 64 + 64, 64 + 64]] * 4)
+  # The counter's parity: trips 0 and 2 all-reduce, 1 and 3 all-gather.
+  np.testing.assert_array_equal(
+      hlo.collectives_per_trip(TPU_LOOP_HLO)[:, 0, hlo.KINDS.index("all-gather")],
+      [64, 2 * 64, 64, 2 * 64])
+  with pytest.raises(ValueError, match="no loop with conditionals"):
+    hlo.collectives_per_trip("HloModule m\n\nENTRY %main (a: f32[4]) -> f32[4] {\n"
+                             "  ROOT %a = f32[4]{0} parameter(0)\n}\n")

@@ -520,6 +520,35 @@ def collectives_per_step(hlo_text: str, steps_per_call: int = 1) -> dict[str, di
           for i, kind in enumerate(KINDS)}
 
 
+def collectives_per_trip(hlo_text: str) -> np.ndarray:
+  """``[trips, devices, kinds]``: the bytes of the collectives (their results, `KINDS`) each
+  trip of the module's slot loop runs on each device.
+
+  The slot loop is the first while loop whose body holds conditionals whose
+  branch the loop counter and the device decide: the scan over the executed
+  timetables' slots (`collectives_per_step`), so this shows when, in the step,
+  each chip communicates. A conditional whose branch cannot be read counts its
+  costliest branch.
+  """
+  counter = _Counter(hlo_text)
+  for caller, lines in counter.bodies.items():
+    defs = _definitions(lines)
+    for line in lines:
+      loop = _WHILE.search(line)
+      if not (loop and " while(" in line):
+        continue
+      info = _loop(line, defs, counter.bodies.get(loop.group(1), []))
+      if info is None:
+        continue
+      body = _LoopBody(counter, caller, defs, line, loop.group(2), *info[1:])
+      if body.conditionals:
+        rest = body.unconditional()
+        return np.array([[(rest + body.trip(i, device))[1, 1] for device in counter.devices]
+                         for i in range(info[0])])
+  raise ValueError("The program has no loop with conditionals: per-trip figures are for the "
+                   "executed timetables' slot loops (parallelism='model' or 'zero').")
+
+
 def _zeros() -> np.ndarray:
   """``[min|max|mean, count|bytes|received, kind]``: the figures of one run of some HLO."""
   return np.zeros((3, 3, len(KINDS)))
@@ -578,9 +607,7 @@ class _Counter:
     loop = _LoopBody(self, caller, defs, line, body, *info[1:])
     if not loop.conditionals:
       return trips * self.ranges(body)
-    rest = self.own(body) + sum((self.line_ranges(body, loop.defs, l)
-                                 for l in self.bodies.get(body, []) if not _BRANCHES.search(l)),
-                                _zeros())
+    rest = loop.unconditional()
     try:  # One pass when the branches do not depend on the device, else one per device.
       per_device = [sum((loop.trip(i, None) for i in range(trips)), _zeros())]
     except _NeedsDevice:
@@ -607,6 +634,13 @@ class _LoopBody:
     self.init = _operands(caller_defs[_operands(line.split(" while(", 1)[1])[0]][2])
     self.caller = caller
     self.caller_scopes = {}
+
+  def unconditional(self) -> np.ndarray:
+    """What every trip runs: the body's collectives outside its conditionals."""
+    counter = self.counter
+    return counter.own(self.body) + sum(
+        (counter.line_ranges(self.body, self.defs, l)
+         for l in counter.bodies.get(self.body, []) if not _BRANCHES.search(l)), _zeros())
 
   def source(self, name: str):
     """What ``name`` copies: the TPU compiler moves a loop-invariant table between memory
