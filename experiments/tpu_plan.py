@@ -220,9 +220,12 @@ def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
     act_size = staged.act_size(x_spec)
     act = 4.0 * act_size
     # A stash row per micro-batch: a stage's input, padded to the largest; a ZeRO worker runs
-    # every stage, and its first reads the batch. Kept: what a backward needs (the largest
-    # stage's), the first stage recomputing.
+    # every stage, and its first reads the batch; CDP+ZeRO's inputs at their own sizes
+    # (`zero.stash_layout`). Kept: what a backward needs (the largest stage's), the first stage
+    # recomputing.
     stash = [0.0 if c.parallelism == "zero" else act] + [act] * (J - 1)
+    if c.parallelism == "zero" and not is_zero3(c):
+      stash = [0.0] + [4.0 * b for b in staged.boundary_sizes(x_spec)]
     if c.keep_activations:
       flat = lambda size: jax.ShapeDtypeStruct((size,), jnp.float32)
       kept = 4.0 * staged.kept_size(flat(staged.param_size), flat(staged.state_size),

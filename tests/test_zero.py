@@ -275,6 +275,22 @@ def test_message_classes_pad_their_stages_by_at_most_five_percent(name, num_work
   assert len(classes) == num_classes
 
 
+def test_the_stash_holds_each_stage_input_at_its_own_size():
+  """ResNet-18 cut by FLOPs at N = 4: the stages' inputs end to end, the largest last, so a
+  whole boundary buffer read at any input stays in the stash, which is less than J-1 rows of
+  the largest."""
+  staged = ref.staged_of("resnet18", 4, pad_to=zero.pad_to(4, "cyclic"))
+  x_spec = jax.ShapeDtypeStruct((ref.PER_MICRO["resnet18"], 8, 8, 1), np.float32)
+  boundaries, largest = staged.boundary_sizes(x_spec), staged.act_size(x_spec)
+  offsets, sizes = zero.stash_layout(boundaries)
+  assert list(sizes) == [0] + boundaries  # Stage 0 reads the batch.
+  spans = sorted((offsets[j], offsets[j] + sizes[j]) for j in range(1, 4))
+  assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+  total = spans[-1][1]
+  assert all(offsets[j] + largest <= total for j in range(4))
+  assert len(set(boundaries)) > 1 and total < 3 * largest
+
+
 def test_each_message_class_travels_at_its_own_size():
   """ResNet-18 cut by FLOPs: the stage and gradient permutes of the compiled step are each as
   long as their class (its stage and the model state), not the largest stage."""

@@ -222,11 +222,14 @@ class StagedModel:
             "must be float32 activations. Cut the stages elsewhere (another stage_ids).")
     return specs + (None,)
 
+  def boundary_sizes(self, x_spec: jax.ShapeDtypeStruct) -> list[int]:
+    """The flat size of each boundary activation (stage ``j``'s output, ``j < J-1``)."""
+    return [sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
+            for spec in self.boundary_specs(x_spec)[:-1]]
+
   def act_size(self, x_spec: jax.ShapeDtypeStruct) -> int:
     """``A``: the largest boundary activation (flat), for micro-batches shaped ``x_spec``."""
-    sizes = [sum(math.prod(s.shape) for s in jax.tree.leaves(spec))
-             for spec in self.boundary_specs(x_spec) if spec is not None]
-    return max(sizes, default=1)
+    return max(self.boundary_sizes(x_spec), default=1)
 
   def _stage_fn(self, stage: int, x_spec):
     """``f(params_P, state_M, h_A, x, labels) -> (h_A, loss, state_M)`` of stage ``stage``."""

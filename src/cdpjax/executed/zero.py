@@ -182,6 +182,23 @@ def message_classes(staged: StagedModel, num_workers: int) -> tuple[tuple[int, t
   return tuple((size, tuple(sorted(stages))) for size, stages in classes)
 
 
+def stash_layout(boundary_sizes) -> tuple[np.ndarray, np.ndarray]:
+  """``(offsets, sizes)``: where a cyclic worker's stash keeps each stage's input
+  (`StagedModel.boundary_sizes`), and how long it is (stage 0 reads the batch: none).
+
+  The inputs lie end to end at their own sizes, the largest last, so that a
+  read of a whole boundary buffer (``A``, the largest) at any offset stays in
+  the stash; a forward writes only its input's part of that window (the rest
+  written back as it was). Rows of ``A`` padded every input to the largest
+  (ResNet-50 cut by FLOPs: three rows of 49 MiB).
+  """
+  sizes = np.array([0] + list(boundary_sizes), np.int64)
+  order = sorted(range(1, len(sizes)), key=lambda j: sizes[j] == sizes.max())  # Largest last.
+  offsets = np.zeros_like(sizes)
+  offsets[order] = np.cumsum([0] + [sizes[j] for j in order])[:-1]
+  return offsets, sizes
+
+
 def owner(stage: int, num_stages: int) -> int:
   """The worker that owns ``stage``: worker ``J-1-j`` (row ``J-1-j`` of the state)."""
   return num_stages - 1 - stage
@@ -304,8 +321,8 @@ class _Carry(NamedTuple):
                      # next backward: a worker never needs both (the last stage's output is
                      # its loss, its backward starts from the loss).
   stash_IA: Any      # The input of each stage but the first (it reads the batch) of the
-                     # micro-batch in flight, stage j's at [(j-1)A, jA): flat, since the TPU
-                     # pads an [I, A] array's rows to a multiple of 4.
+                     # micro-batch in flight, end to end at their own sizes (`stash_layout`):
+                     # flat, since the TPU pads an [I, A] array's rows to a multiple of 4.
   stash_JxM: Any     # The model state each stage's forward read.
   next_JxM: Any      # Worker N-1: each stage's next model state, for the final gradient.
   stats_3xK: Any     # Per step: the loss, the owned stage's squared gradient and parameter norms.
@@ -458,9 +475,6 @@ def _branches(staged: StagedModel, ring: Ring):
         lambda rc, *ops, k=k: vary(fn(k, rc[stage_class[k]], rc, *ops), axes)
         for k in range(ring.num_workers)], received_C, *operands)
 
-  def stash_row(j, size):  # Stage j's input in the stash (stage 0's, never read, at 0).
-    return (jnp.maximum(j - 1, 0) * size,)
-
   def idle(ops):
     c, received = ops[0], ops[2]
     return ring.vary((c.boundary_A, c.stash_IA, c.stash_JxM, c.next_JxM, received, tails(),
@@ -477,8 +491,10 @@ def _branches(staged: StagedModel, ring: Ring):
     # Worker N-1 closes the sum: the state of step t+1 goes on to the next step and the owner.
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
-    stash = jax.lax.dynamic_update_slice(c.stash_IA, c.boundary_A,
-                                         stash_row(j, c.boundary_A.size))
+    at = (ev["stash_at"],)  # Stage j's input, and what lies after it as it was.
+    window = jax.lax.dynamic_slice(c.stash_IA, at, c.boundary_A.shape)
+    mine = jnp.arange(c.boundary_A.size) < ev["stash_size"]
+    stash = jax.lax.dynamic_update_slice(c.stash_IA, jnp.where(mine, c.boundary_A, window), at)
     return ring.vary((h, stash, c.stash_JxM.at[j].set(read),
                       c.next_JxM.at[j].set(mean), received, tails(), msg, loss))
 
@@ -486,7 +502,7 @@ def _branches(staged: StagedModel, ring: Ring):
     c, ev, received, _, me, x, labels = ops
     j = ev["stage"]
     size_a = c.boundary_A.size
-    h_in = jax.lax.dynamic_slice(c.stash_IA, stash_row(j, size_a), (size_a,))
+    h_in = jax.lax.dynamic_slice(c.stash_IA, (ev["stash_at"],), (size_a,))
     next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
 
     def stage_backward(k, message, received, state_m, h_in, x, labels, cot, next_state, delay):
@@ -525,8 +541,9 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
   update_sizes = [size for size, _ in ring.classes] if num_replicas > 1 else [size_p]
   assert (plan.update.sum(axis=0) == num_steps).all()  # `_by_age` relies on it.
 
-  def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB, first_step):
+  def slot_body(c: _Carry, slot, me, x_KxB, labels_KxB, first_step, stash):
     ev = {k: jnp.asarray(v)[slot, me] for k, v in tables.items()}
+    ev["stash_at"], ev["stash_size"] = (jnp.asarray(t)[ev["stage"]] for t in stash)
     # The sum is an operand, not a result: a result passed through is copied. The update's
     # slot receives no gradient; the sum restarts there.
     owned = stage_class[ring.num_workers - 1 - me]  # The class of the stage this worker owns.
@@ -575,7 +592,9 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
   def body(state: StagedState, batch):
     me = jax.lax.axis_index(AXIS)
     x, labels = batch["image"], batch["label"]
-    act = staged.act_size(jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
+    x_spec = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    act = staged.act_size(x_spec)
+    stash = stash_layout(staged.boundary_sizes(x_spec))
     zeros = lambda *shape: ring.vary(jnp.zeros(shape, jnp.float32))
     model_state = (jnp.zeros((1, 0), jnp.float32) if state.model_state is None
                    else state.model_state)
@@ -585,11 +604,11 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
         opt_state=ring.vary(jax.tree.map(lambda a: a[0], state.opt_state), state=True),
         model_state_M=ring.vary(model_state[0], state=True), acc_Q=zeros(ring.size_q),
         state_2x2M=zeros(2, 2 * size_m), boundary_A=zeros(act),
-        stash_IA=zeros(max(ring.num_workers - 1, 1) * act),
+        stash_IA=zeros(max(int(stash[1].sum()), act)),
         stash_JxM=zeros(ring.num_workers, size_m),
         next_JxM=zeros(ring.num_workers, size_m), stats_3xK=zeros(3, num_steps))
-    carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, me, x, labels, state.step), carry,
-                            jnp.arange(plan.num_slots))
+    carry, _ = jax.lax.scan(lambda c, s: slot_body(c, s, me, x, labels, state.step, stash),
+                            carry, jnp.arange(plan.num_slots))
     # The versions leave in the buffers they came in (`_by_age` puts them back in order).
     versions = carry.versions_V
     glob = lambda tree: jax.tree.map(lambda a: a[None], tree)
