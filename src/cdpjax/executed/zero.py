@@ -506,7 +506,9 @@ def _branches(staged: StagedModel, ring: Ring):
     next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
 
     def stage_backward(k, message, received, state_m, h_in, x, labels, cot, next_state, delay):
-      grads, cot = staged.vjp(k, message, state_m, h_in, x, labels, cot)
+      grads, cot_in = staged.vjp(k, message, state_m, h_in, x, labels, cot)
+      if k:  # The first stage reads the batch: its input's cotangent, zeros, is never read, and
+        cot = cot_in  # the one it received stays in its buffer (no boundary of zeros made).
       size = classes[stage_class[k]][0]
       # DC-ASGD: the owner adds dc_lambda * g * g * (theta_t - theta_read) per delay d.
       squares = [jnp.where(delay == d, grads[:size] * grads[:size], 0.0)
