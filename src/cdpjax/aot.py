@@ -47,7 +47,8 @@ _TOPOLOGY = re.compile(r"^(?P<chip>v\d+[a-z]*):(?P<shape>\d+(?:x\d+)*)$")
 IMAGE_DATASETS = {"digits": (10, (8, 8, 1)), "cifar10": (10, (32, 32, 3)),
                   "imagenet2012": (1000, (224, 224, 3))}
 REPORT_KEYS = ("topology", "chips", "devices_used", "mesh", "runs", "config", "num_params",
-               "memory_per_chip", "hbm_per_chip_bytes", "hbm_source", "fits", "collectives")
+               "memory_per_chip", "hbm_per_chip_bytes", "hbm_source", "fits", "collectives",
+               "collectives_by_slot")
 # FLOPs and the compiler's optimal_seconds are left out: XLA's cost analysis counts a loop's body
 # once, so a K-step scan or a slot loop reads as one iteration (ZeRO-3 showed 2.0e9 FLOPs and
 # CDP+ZeRO 4.9e8 for the same model and steps), and the HLO gives no per-op FLOPs to weight.
@@ -183,7 +184,7 @@ def compile_uncached(lowered, compiler_options=None):
     compilation_cache.reset_cache()
 
 
-def report(lowered, topology: str) -> dict:
+def report(lowered, topology: str, slots: bool = False) -> dict:
   """What the TPU compiler makes of ``lowered``: per-chip memory, collectives, fit.
 
   ``hbm_bytes`` is the HBM of the TPU's buffer assignment (`cdpjax.compiled.buffer_assignment`;
@@ -196,7 +197,11 @@ def report(lowered, topology: str) -> dict:
   (`cdpjax.hlo.collective_summary`): ``count`` and ``bytes`` count each
   instruction once; ``count_min``/``_max`` and ``bytes_min``/``_max`` are per
   step, weighted by the loops' trip counts and the branches the slot tables
-  take (bounds where a branch cannot be read statically).
+  take (bounds where a branch cannot be read statically). With ``slots`` (an
+  executed timetable's step), ``collectives_by_slot`` gives the bytes of each
+  kind in each slot of the step, summed over the chips
+  (`cdpjax.hlo.collectives_per_trip`): when, in the step, the chips
+  communicate; None for a program without a slot loop (ZeRO-3's lockstep step).
   """
   from cdpjax import compiled, hlo  # pylint: disable=g-import-not-at-top
   dump = tempfile.mkdtemp(prefix="cdpjax-aot-")
@@ -229,6 +234,7 @@ def report(lowered, topology: str) -> dict:
                 hbm_tuple_tables=assignment["temp_tuple_tables"])
   chip, num_chips = parse_topology(topology)
   hbm = CHIP_HBM_BYTES[chip]
+  text = compiled.hlo_text(program)
   return {
       "topology": topology,
       "chips": num_chips,
@@ -236,15 +242,27 @@ def report(lowered, topology: str) -> dict:
       "hbm_per_chip_bytes": hbm,
       "hbm_source": HBM_SOURCE,
       "fits": memory["hbm_bytes"] <= hbm,
-      "collectives": hlo.collective_summary(compiled.hlo_text(program)),
+      "collectives": hlo.collective_summary(text),
+      "collectives_by_slot": _by_slot(text) if slots else None,
   }
+
+
+def _by_slot(hlo_text: str) -> dict[str, list[float]] | None:
+  """``{kind: [bytes in slot s, summed over the chips]}`` of a program's slot loop."""
+  from cdpjax import hlo  # pylint: disable=g-import-not-at-top
+  try:
+    per_trip = hlo.collectives_per_trip(hlo_text).sum(axis=1)
+  except ValueError:  # No slot loop.
+    return None
+  return {kind: per_trip[:, k].tolist() for k, kind in enumerate(hlo.KINDS)
+          if per_trip[:, k].any()}
 
 
 def compile_config(c, topology: str) -> dict:
   """Builds, lowers and compiles config ``c`` for ``topology``; the report (`REPORT_KEYS`)."""
   devices = topology_devices(topology)
   lowered, info = build(c, devices)
-  result = report(lowered, topology)
+  result = report(lowered, topology, slots=c.parallelism != "data")
   result.update(info, devices_used=int(math.prod(info["mesh"].values())),
                 config={k: c[k] for k in ("model", "dataset", "rule", "parallelism",
                                           "num_workers", "num_stages", "per_worker_batch_size",
@@ -311,5 +329,13 @@ def summary(result: dict) -> str:
   ]
   if not any(c["count"] for c in result["collectives"].values()):
     lines.append("  (none)")
+  if result["collectives_by_slot"]:
+    lines.append("by slot of the step, all chips (one call: the timetable's fill and drain "
+                 "included):")
+    for kind, per_slot in result["collectives_by_slot"].items():
+      used = [s for s, b in enumerate(per_slot) if b]
+      lines.append(f"  {kind:<20} in {len(used)} of {len(per_slot)} slots ("
+                   + ", ".join(map(str, used[:16])) + (", ..." if len(used) > 16 else "")
+                   + f"), the busiest {max(per_slot) / (1 << 20):.2f} MiB")
   lines.append("FLOPs: not reported (XLA's cost analysis counts a loop body once, not per step)")
   return "\n".join(lines)
