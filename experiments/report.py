@@ -235,6 +235,18 @@ def tpu_plan_rows(data: dict) -> list[Row]:
                          + ", ".join(p["hbm_live_peak_values"][:3]) + ")") for p in (cz, z3))
             + f"; with on-chip VMEM {_gib(with_vmem[0])} / {_gib(with_vmem[1])} = "
             f"{with_vmem[0] / with_vmem[1]:.2f}"))
+      if "model_terms_MiB" in cz and "model_terms_MiB" in z3:
+        terms = {t: cz["model_terms_MiB"][t] - z3["model_terms_MiB"][t]
+                 for t in cz["model_terms_MiB"]}
+        rows.append(_info(
+            f"{model}: where CDP+ZeRO's HBM exceeds ZeRO-3's, by the cost model's terms (MiB; "
+            "params, grads, optimizer: the owned stage's D+1 versions, gradient sum and "
+            "optimizer state, at the largest stage's size; buffers: each message class's stage "
+            "and gradient message; activations: the stash of stage inputs and the backward's "
+            "recomputation; messages: the boundary carry and the stash row a backward reads)",
+            ", ".join(f"{t} {v:+.2f}" for t, v in terms.items() if abs(v) >= 0.005)
+            + f"; in all {sum(terms.values()):+.2f} (compiled "
+            f"{(cz['peak_GiB'] - z3['peak_GiB']) * 1024:+.2f})"))
       moved = cz["collective_MiB_max"] / z3["collective_MiB_max"]
       rows.append(Row(f"{model}: CDP+ZeRO collective bytes / ZeRO-3's", "<= 1.05",
                       f"{cz['collective_MiB_max']:.3g} / {z3['collective_MiB_max']:.3g} MiB"

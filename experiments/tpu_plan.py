@@ -427,6 +427,10 @@ def tpu_result_bytes(strategy: str, c, w, comm, num_steps: int = 1) -> float:
              for size, stages in classes.items())
 
 
+MEMORY_TERMS = ("params", "grads", "optimizer", "buffers", "activations", "messages", "inputs")
+"""The cost model's per-chip memory, by term (`analysis.Memory`)."""
+
+
 def predicted(strategy: str, c, w=None) -> dict:
   """The cost model's busiest chip: peak bytes and collective result bytes per step.
 
@@ -532,6 +536,7 @@ def row(name, strategy, topology, compiled, prediction, shapes, calibrated: bool
       "collectives": kinds or "none",
       "received_MiB": (sum(x["received_mean"] for x in found) / mib  # The mean chip's.
                        if all("received_mean" in x for x in found) else None),
+      "model_terms_MiB": {term: prediction[f"{term}_bytes"] / mib for term in MEMORY_TERMS},
       "largest_stage_MiB": max(prediction["stage_param_bytes"]) / mib,
       "stage_padding": (len(prediction["stage_param_bytes"]) * max(prediction["stage_param_bytes"])
                         / sum(prediction["stage_param_bytes"])),
