@@ -524,27 +524,32 @@ def collectives_per_trip(hlo_text: str) -> np.ndarray:
   """``[trips, devices, kinds]``: the bytes of the collectives (their results, `KINDS`) each
   trip of the module's slot loop runs on each device.
 
-  The slot loop is the first while loop whose body holds conditionals whose
-  branch the loop counter and the device decide: the scan over the executed
-  timetables' slots (`collectives_per_step`), so this shows when, in the step,
-  each chip communicates. A conditional whose branch cannot be read counts its
-  costliest branch.
+  The slot loop is the outermost while loop (the first met from the entry
+  computation, callers before callees) whose body holds conditionals: the scan
+  over the executed timetables' slots (`collectives_per_step`), so this shows
+  when, in the step, each chip communicates. A conditional whose branch cannot
+  be read counts its costliest branch.
   """
   counter = _Counter(hlo_text)
-  for caller, lines in counter.bodies.items():
+  queue, seen = [counter.entry], {counter.entry}
+  while queue:
+    caller = queue.pop(0)
+    lines = counter.bodies.get(caller, [])
     defs = _definitions(lines)
     for line in lines:
       loop = _WHILE.search(line)
-      if not (loop and " while(" in line):
-        continue
-      info = _loop(line, defs, counter.bodies.get(loop.group(1), []))
-      if info is None:
-        continue
-      body = _LoopBody(counter, caller, defs, line, loop.group(2), *info[1:])
-      if body.conditionals:
-        rest = body.unconditional()
-        return np.array([[(rest + body.trip(i, device))[1, 1] for device in counter.devices]
-                         for i in range(info[0])])
+      if loop and " while(" in line:
+        info = _loop(line, defs, counter.bodies.get(loop.group(1), []))
+        body = info and _LoopBody(counter, caller, defs, line, loop.group(2), *info[1:])
+        if body and body.conditionals:
+          rest = body.unconditional()
+          return np.array([[(rest + body.trip(i, device))[1, 1] for device in counter.devices]
+                           for i in range(info[0])])
+      for group in _CALLS.findall(line):
+        for callee in (c.strip().lstrip("%") for c in group.split(",")):
+          if callee not in seen:
+            seen.add(callee)
+            queue.append(callee)
   raise ValueError("The program has no loop with conditionals: per-trip figures are for the "
                    "executed timetables' slot loops (parallelism='model' or 'zero').")
 
