@@ -30,7 +30,8 @@ replicas of ``N = J = 4`` (tpu_plan's v5e:2x4 point), each slot's collectives
 on each chip (`hlo.collectives_per_trip`, the branch each slot takes): when,
 in the step, each stage's gradient is all-reduced over the replicas (GPipe:
 every stage after the flush; CDP: each at its stage's last backward), and
-CDP+ZeRO's stage and gradient messages slot by slot.
+CDP+ZeRO's stage and gradient messages slot by slot. ZeRO-3, lockstep with no
+slot loop: the compute instructions after each of its collectives.
 
   python experiments/bench_overlap.py          # results/bench_overlap/bench_overlap.json
   python experiments/bench_overlap.py --quick  # seconds
@@ -121,17 +122,25 @@ def measure(lowered, compiler_options) -> dict:
   }
 
 
-EXECUTED = ("gpipe", "cdp+mp", "cdp+zero")  # tpu_plan's strategies of the executed timetables.
+EXECUTED = ("gpipe", "cdp+mp", "zero-3", "cdp+zero")  # tpu_plan's executed strategies.
 EXECUTED_POINT = "configs/digits.py:model=resnet18"
 
 
 def measure_executed(strategy: str, devices) -> dict:
-  """The bytes of each slot's collectives on each chip of tpu_plan's v5e:2x4 point."""
+  """The bytes of each slot's collectives on each chip of tpu_plan's v5e:2x4 point; for a step
+  without slots (ZeRO-3), the compute instructions after each collective."""
   c = tpu_plan.point_config(EXECUTED_POINT, {}, {}, strategy, len(devices), NUM_STAGES)
   lowered, _ = aot.build(c, devices)
-  per_trip = hlo.collectives_per_trip(compiled.hlo_text(aot.compile_uncached(lowered)))
-  return {"strategy": strategy, "point": EXECUTED_POINT, "num_replicas": c.num_replicas,
-          "slots": len(per_trip), "kinds": list(hlo.KINDS), "bytes_per_slot": per_trip.tolist()}
+  text = compiled.hlo_text(aot.compile_uncached(lowered))
+  found = {"strategy": strategy, "point": EXECUTED_POINT, "num_replicas": c.num_replicas}
+  try:
+    per_trip = hlo.collectives_per_trip(text)
+  except ValueError:  # Lockstep: one step, no slot loop.
+    scheduled, num_compute = hlo.collective_schedule(text)
+    return {**found, "compute_instructions": num_compute,
+            "schedule": [[x.kind, x.bytes, x.compute_after] for x in scheduled]}
+  return {**found, "slots": len(per_trip), "kinds": list(hlo.KINDS),
+          "bytes_per_slot": per_trip.tolist()}
 
 
 def main(argv=None):
@@ -166,6 +175,10 @@ def main(argv=None):
           f"{r['stablehlo_all_reduces']:>9} "
           f"{r['compiled_all_reduces']:>8}  {r['compute_after']} (of {r['compute_instructions']})")
   for r in executed:
+    if "schedule" in r:
+      print(f"{r['strategy']}: compute instructions after each collective (of "
+            f"{r['compute_instructions']}): " + ", ".join(f"{k} {a}" for k, _, a in r["schedule"]))
+      continue
     per_slot = np.asarray(r["bytes_per_slot"]).sum(axis=1) / 2**20  # [slots, kinds], all chips.
     print(f"{r['strategy']}: MiB per slot, all chips: " + "; ".join(
         f"{kind} " + " ".join(f"{b:.2f}" for b in per_slot[:, k])

@@ -160,16 +160,23 @@ def bench_overlap_rows(data: dict) -> list[Row]:
 
 def _executed_row(r: dict, num_stages: int) -> Row:
   """When an executed timetable's chips all-reduce their stages' gradients over the replicas:
-  each chip's largest all-reduce is its stage's gradient."""
+  each chip's largest all-reduce is its stage's gradient. ZeRO-3 (no slots): where its
+  collectives sit against compute."""
+  what = f"tpu v5e:2x4, executed {r['strategy']} ({r['num_replicas']} replicas of N = J = " \
+         f"{num_stages}, digits ResNet-18)"
+  if "schedule" in r:
+    kinds = {}
+    for kind, _, after in r["schedule"]:
+      kinds.setdefault(kind, []).append(after)
+    return _info(f"{what}: compute instructions (of {r['compute_instructions']}) after each "
+                 "collective, lockstep", "; ".join(f"{k} {v}" for k, v in kinds.items()))
   per_slot = r["bytes_per_slot"]  # [slots][chips][kinds].
   reduce, permute = ([[chip[r["kinds"].index(k)] for chip in slot] for slot in per_slot]
                      for k in ("all-reduce", "collective-permute"))
   slots = sorted({max(range(len(reduce)), key=lambda s: reduce[s][chip])
                   for chip in range(len(reduce[0]))})
   share = max(map(sum, reduce)) / sum(map(sum, reduce))
-  what = (f"tpu v5e:2x4, executed {r['strategy']} ({r['num_replicas']} replicas of N = J = "
-          f"{num_stages}, digits ResNet-18): the slots of its chips' gradient all-reduces, "
-          f"of a step's {r['slots']}")
+  what += f": the slots of its chips' gradient all-reduces, of a step's {r['slots']}"
   figure = f"slots {slots}; the busiest holds {share:.2f} of the step's all-reduce bytes"
   mib = [sum(slot) / 2**20 for slot in permute if sum(slot)]
   if mib:

@@ -157,6 +157,29 @@ def test_collective_schedule_counts_compute_after_each_collective(mesh, x):
   assert before[0].bytes == SHARD_BYTES
 
 
+FUSED_HLO = """HloModule m, num_partitions=2
+
+%fused (p.0: f32[4]) -> f32[8] {
+  %p.0 = f32[4]{0} parameter(0)
+  ROOT %ag = f32[8]{0} all-gather(%p.0), replica_groups={{0,1}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[4], w: f32[8,8]) -> f32[8] {
+  %a = f32[4]{0} parameter(0)
+  %w = f32[8,8]{1,0} parameter(1)
+  %f = f32[8]{0} fusion(%a), kind=kCustom, calls=%fused
+  ROOT %d = f32[8]{0} dot(%w, %f), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_collective_schedule_places_a_fused_collective_at_its_fusion():
+  scheduled, num_compute = hlo.collective_schedule(FUSED_HLO)
+  assert [(c.kind, c.bytes, c.position, c.compute_after) for c in scheduled] == [
+      ("all-gather", 32, 2, 1)]
+  assert num_compute == 1
+
+
 def test_collective_schedule_needs_an_entry():
   with pytest.raises(ValueError, match="ENTRY"):
     hlo.collective_schedule("HloModule m\n")

@@ -208,7 +208,8 @@ def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
   runs them, so a collective with compute instructions after it can overlap
   them (when the backend runs it asynchronously), and one placed after every
   compute instruction cannot. Loop bodies count as one compute instruction of
-  the entry computation.
+  the entry computation; a collective the compiler fused into a fusion (the TPU
+  compiler's all-gather fusions) sits at the fusion's place.
 
   Returns:
     The entry computation's collectives in schedule order, and its number of
@@ -232,13 +233,16 @@ def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
   instructions = [line for line in bodies[entry] if _INSTRUCTION.match(line)]
   is_compute = [_is_compute(line, (entry,)) for line in instructions]
   found = {c.name: c for c in collectives("\n".join(instructions))}
+
+  def fused(line: str) -> list[Collective]:  # The TPU compiler fuses some collectives.
+    return [c for callee in _CALLEES.findall(line) if " fusion(" in line
+            for c in collectives("\n".join(bodies.get(callee, [])))]
   scheduled = []
   for position, line in enumerate(instructions):
     name = _INSTRUCTION.match(line).group("name")
-    if name in found:
-      c = found[name]
+    for c in [found[name]] if name in found else fused(line):
       scheduled.append(ScheduledCollective(
-          name=name, kind=c.kind, bytes=c.bytes, position=position,
+          name=c.name, kind=c.kind, bytes=c.bytes, position=position,
           compute_after=sum(is_compute[position + 1:])))
   return scheduled, sum(is_compute)
 
