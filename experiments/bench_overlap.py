@@ -41,9 +41,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  pylint: disable=g-import-not-at-top
-from cdpjax import distributed  # noqa: E402  (imports no JAX)
+from cdpjax import aot, distributed  # noqa: E402  (import no JAX)
 
+TPU_TOPOLOGY = "v5e:2x4"  # 8 chips: one worker each.
 distributed.emulate_cpu_devices(8)
+aot.quiet_libtpu(TPU_TOPOLOGY)  # Before libtpu starts: no look-ups of a TPU VM.
 
 import jax  # noqa: E402  (after the device count is set)
 import jax.numpy as jnp  # noqa: E402
@@ -51,14 +53,13 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from cdpjax import aot, compiled, engine, hlo, stages, tasks  # noqa: E402
+from cdpjax import compiled, engine, hlo, stages, tasks  # noqa: E402
 from cdpjax.executed import staged as staged_lib  # noqa: E402
 from cdpjax.models.residual_mlp import ResidualMLP  # noqa: E402
 import tpu_plan  # noqa: E402  (its v5e:2x4 points' configs)
 
 NUM_WORKERS = 8
 NUM_STAGES = 4
-TPU_TOPOLOGY = "v5e:2x4"  # 8 chips: one worker each.
 NO_COMBINER = {"xla_disable_hlo_passes": "all-reduce-combiner"}
 
 
