@@ -303,6 +303,14 @@ def tpu_plan_rows(data: dict) -> list[Row]:
     if dp and "stage_padding" in dp:
       rows.append(_info(f"{model}: executed stage buffers padded to the largest stage",
                         f"J x largest / sum of the stages = {dp['stage_padding']:.2f}"))
+    for strategy in ("gpipe", "cdp+mp", "cdp+zero"):
+      reduce = (points.get(strategy) or {}).get("by_slot_MiB", {}).get("all-reduce")
+      if reduce:  # The replicas' gradient all-reduces, summed over the chips, slot by slot.
+        used = [s for s, b in enumerate(reduce) if b]
+        rows.append(_info(
+            f"{model}: {strategy}'s all-reduces over the replicas, by slot of a one-step call",
+            f"in {len(used)} of {len(reduce)} slots {used}; the busiest holds "
+            f"{max(reduce) / sum(reduce):.2f} of the step's {sum(reduce):.3g} MiB (all chips)"))
     ratios = {s: p["peak_ratio"] for s, p in points.items()}
     off = [f"{s} {v:.2f}" for s, v in ratios.items() if abs(v - 1) > 0.1]
     source = {p.get("model_activations", "shapes") for p in points.values()}

@@ -537,6 +537,8 @@ def row(name, strategy, topology, compiled, prediction, shapes, calibrated: bool
       "received_MiB": (sum(x["received_mean"] for x in found) / mib  # The mean chip's.
                        if all("received_mean" in x for x in found) else None),
       "model_terms_MiB": {term: prediction[f"{term}_bytes"] / mib for term in MEMORY_TERMS},
+      "by_slot_MiB": {kind: [b / mib for b in per_slot]  # All chips; executed timetables only.
+                      for kind, per_slot in (compiled.get("collectives_by_slot") or {}).items()},
       "largest_stage_MiB": max(prediction["stage_param_bytes"]) / mib,
       "stage_padding": (len(prediction["stage_param_bytes"]) * max(prediction["stage_param_bytes"])
                         / sum(prediction["stage_param_bytes"])),
