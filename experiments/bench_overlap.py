@@ -22,7 +22,12 @@ cotangent handed to stage ``j - 1`` leaves an ``optimization_barrier``
 together with stage ``j``'s reduced gradients, so no backward of an earlier
 stage can be scheduled before stage ``j``'s all-reduce. The tied program
 shows where the compilers then put the ``J`` all-reduces: between the stages'
-backwards.
+backwards. And the engine's step with ``gradient_reduction="permutes"``
+(``--config.gradient_reduction=permutes``): each stage's gradient summed by
+``N - 1`` collective-permutes around the ring of workers and an all-gather,
+which the TPU compiler runs asynchronously: how many compute instructions each
+permute runs beside (between its start and its done), and the share of the
+permutes' bytes that runs beside some.
 
 The executed timetables (``parallelism=model`` and ``zero``) run their step
 as a loop over slots: on the TPU compiler, for digits ResNet-18 with 2
@@ -94,9 +99,10 @@ def _abstract(tree, mesh):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), tree)
 
 
-def lowered_step(mesh, rule: str, width: int, per_worker_batch: int, tied: bool = False):
+def lowered_step(mesh, rule: str, width: int, per_worker_batch: int, tied: bool = False,
+                 reduction: str = "all-reduce"):
   """The engine's lowered step for a residual MLP on ``mesh``, from abstract inputs only;
-  ``tied``: with the tied backward."""
+  ``tied``: with the tied backward; ``reduction``: its ``gradient_reduction``."""
   model, sample, params, stage_ids, tx = _problem(width)
 
   def loss_fn(p, batch):
@@ -105,7 +111,7 @@ def lowered_step(mesh, rule: str, width: int, per_worker_batch: int, tied: bool 
   staged = (staged_lib.stage_model(model, params, stage_ids, sample, loss_fn=tasks.cross_entropy)
             if tied else None)
   step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule=rule, mesh=mesh,
-                                staged=staged)
+                                staged=staged, gradient_reduction=reduction)
   state = _abstract(jax.eval_shape(step.init, params), mesh)
   return step.lower(state, _abstract_batch(mesh, per_worker_batch))
 
@@ -114,12 +120,17 @@ def measure(lowered, compiler_options) -> dict:
   program = aot.compile_uncached(lowered, compiler_options)  # TPU executables stay out of the cache.
   scheduled, num_compute = hlo.collective_schedule(program.as_text())
   all_reduces = [c for c in scheduled if c.kind == "all-reduce"]
+  permutes = [c for c in scheduled if c.kind == "collective-permute"]
   return {
       "stablehlo_all_reduces": hlo.stablehlo_collectives(lowered.as_text())["all-reduce"],
       "compiled_all_reduces": len(all_reduces),
       "bytes": [c.bytes for c in all_reduces],
       "compute_after": [c.compute_after for c in all_reduces],
       "compute_instructions": num_compute,
+      "permutes_compute_during": [c.compute_during for c in permutes],
+      "permutes_bytes": [c.bytes for c in permutes],
+      "all_gathers_compute_after": [c.compute_after for c in scheduled
+                                    if c.kind == "all-gather"],
   }
 
 
@@ -161,7 +172,12 @@ def main(argv=None):
     for backward, rule, lowered in programs:
       for combiner, options in (("on", None), ("off", NO_COMBINER)):
         rows.append({"compiler": compiler, "backward": backward, "rule": rule,
-                     "combiner": combiner, **measure(lowered, options)})
+                     "combiner": combiner, "reduction": "all-reduce",
+                     **measure(lowered, options)})
+    for rule in ("dp",) if args.quick else ("dp", "cdp-v2"):  # No combiner pass for permutes.
+      lowered = lowered_step(mesh, rule, width, 32, reduction="permutes")
+      rows.append({"compiler": compiler, "backward": "engine", "rule": rule, "combiner": "on",
+                   "reduction": "permutes", **measure(lowered, None)})
   executed = []
   if f"tpu {TPU_TOPOLOGY}" in meshes:
     devices = aot.topology_devices(TPU_TOPOLOGY)
@@ -172,6 +188,12 @@ def main(argv=None):
   print(f"{'compiler':<14} {'backward':<9} {'rule':<7} {'combiner':<8} {'stablehlo':>9} "
         f"{'compiled':>8}  compute instructions after each all-reduce (of all)")
   for r in rows:
+    if r["reduction"] == "permutes":
+      print(f"{r['compiler']:<14} {r['backward']:<9} {r['rule']:<7} permutes: compute "
+            f"instructions beside each of {len(r['permutes_compute_during'])} permutes "
+            f"{r['permutes_compute_during']}, after each all-gather "
+            f"{r['all_gathers_compute_after']} (of {r['compute_instructions']})")
+      continue
     print(f"{r['compiler']:<14} {r['backward']:<9} {r['rule']:<7} {r['combiner']:<8} "
           f"{r['stablehlo_all_reduces']:>9} "
           f"{r['compiled_all_reduces']:>8}  {r['compute_after']} (of {r['compute_instructions']})")

@@ -139,13 +139,18 @@ def _cyclic(data: dict) -> list[dict]:
 
 
 def bench_overlap_rows(data: dict) -> list[Row]:
-  """Where each compiled program puts its all-reduces: compute instructions after each one."""
-  cpu = [r for r in data["rows"] if r["compiler"] == "cpu"]
+  """Where each compiled program puts its all-reduces: compute instructions after each one;
+  with the gradients summed by permutes, the compute they run beside."""
+  permuted = lambda r: r.get("reduction", "all-reduce") == "permutes"
+  cpu = [r for r in data["rows"] if r["compiler"] == "cpu" and not permuted(r)]
   rows = [_info(f"cpu, all {len(cpu)} programs (every backward, rule and combiner)",
                 "compiled all-reduces: " + _fmt(sorted({r["compiled_all_reduces"] for r in cpu}),
                                                 "d")
                 + ", compute after: " + _fmt(sorted({str(r["compute_after"]) for r in cpu}), "s"))]
   for r in data["rows"]:
+    if permuted(r):
+      rows.append(_permuted_row(r, data["num_stages"]))
+      continue
     if r["compiler"] == "cpu":
       continue
     figure = f"{r['compiled_all_reduces']} all-reduce(s), compute after: {r['compute_after']}"
@@ -156,6 +161,24 @@ def bench_overlap_rows(data: dict) -> list[Row]:
     else:
       rows.append(_info(what, figure))
   return rows + [_executed_row(r, data["num_stages"]) for r in data.get("executed", ())]
+
+
+def _permuted_row(r: dict, num_stages: int) -> Row:
+  """The engine's gradients summed by permutes (``gradient_reduction=permutes``): the compute
+  its permutes run beside, and its all-gathers (one a stage: the J sums kept apart)."""
+  during, sizes = r["permutes_compute_during"], r["permutes_bytes"]
+  beside = sum(b for b, c in zip(sizes, during) if c) / sum(sizes)
+  figure = (f"{sum(c > 0 for c in during)} of {len(during)} permutes beside compute "
+            f"({beside:.2f} of their bytes; up to {max(during)} of {r['compute_instructions']} "
+            f"compute instructions beside one); {len(r['all_gathers_compute_after'])} "
+            f"all-gathers, compute after: {r['all_gathers_compute_after']}; "
+            f"{r['compiled_all_reduces']} all-reduces")
+  what = f"{r['compiler']}, engine backward, {r['rule']}, gradient_reduction=permutes"
+  if r["compiler"] == "cpu":
+    return _info(what, figure)
+  apart = len(r["all_gathers_compute_after"]) == num_stages and not r["compiled_all_reduces"]
+  return Row(what, "the J stages' sums apart, permutes beside the backward", figure,
+             apart and beside > 0)
 
 
 def _executed_row(r: dict, num_stages: int) -> Row:
@@ -551,7 +574,10 @@ SECTIONS = (
             "python experiments/bench_zero.py", bench_zero_rows),
     Section("bench_overlap", "Gradient all-reduces against the backward (compiled)",
             "Where the compiler puts the J = 4 gradient all-reduces of a data-parallel step: "
-            "compute instructions (of 53) after each one. The executed timetables, whose step "
+            "compute instructions (of 53) after each one. Summed by collective-permutes instead "
+            "(--config.gradient_reduction=permutes), which the TPU compiler runs asynchronously: "
+            "the compute instructions between each permute's start and its done. The executed "
+            "timetables, whose step "
             "is a loop over slots: the slot in which each chip all-reduces its stage's "
             "gradient over the replicas (cdpjax.hlo.collectives_per_trip).",
             "python experiments/bench_overlap.py", bench_overlap_rows),
@@ -593,7 +619,8 @@ SECTIONS = (
     Section("gradient_overlap", "Gradient communication against the backward on TPU",
             "The TPU compiler's all-reduces are synchronous; a tied stage-by-stage backward "
             "(the engine's --config.tied_backward) keeps them apart, one between two stages' "
-            "backwards.",
+            "backwards; collective-permutes it runs asynchronously "
+            "(--config.gradient_reduction=permutes, in the section above).",
             "python experiments/bench_overlap.py", gradient_overlap_rows),
     Section("timetables_against_j", "Executed timetables against J, and stage padding",
             "Both cyclic executors scan their slot plan, so programs grow about linearly in J.",

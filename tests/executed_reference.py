@@ -65,13 +65,14 @@ def step_batch(batch, k):
 
 
 @functools.cache
-def engine_run(name, rule, num_workers, replicas=1, compensated=False, tied=False):
+def engine_run(name, rule, num_workers, replicas=1, compensated=False, tied=False,
+               reduction="all-reduce"):
   """Per-step metrics (host numpy) and final flax variables of the engine over NUM_STEPS.
 
   ``replicas``: the engine with ``R*N`` workers whose delay matrix is the
   rule's ``(N, N)`` matrix tiled ``R`` times, as ``R`` replicated executors run it.
   ``compensated``: with the delay compensations ``COMPENSATIONS``. ``tied``: the engine's
-  tied backward (``tied_backward=True``).
+  tied backward (``tied_backward=True``). ``reduction``: the engine's ``gradient_reduction``.
   """
   model, params, model_state, stage_ids = model_of(name, num_workers)
   if replicas > 1:
@@ -82,6 +83,7 @@ def engine_run(name, rule, num_workers, replicas=1, compensated=False, tied=Fals
                                 mesh=jax.make_mesh((replicas * num_workers,), ("data",)),
                                 loss_fn=staged_lib.cross_entropy,
                                 with_model_state=model_state is not None, tied_backward=tied,
+                                gradient_reduction=reduction,
                                 params=params, model_state=model_state,
                                 sample_input=np.zeros((1, 8, 8, 1), np.float32))
   state = ex.init(params, model_state)

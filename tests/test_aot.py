@@ -160,6 +160,23 @@ def test_tied_backward_keeps_the_all_reduces_apart_on_tpu():
   assert after[-1] == 0 and all(a > b for a, b in zip(after, after[1:])), after
 
 
+def test_permuted_gradient_sums_run_beside_the_backward_on_tpu():
+  """``gradient_reduction="permutes"`` on the TPU compiler (bench_overlap): no all-reduce, one
+  all-gather a stage, and asynchronous permutes, some with compute between start and done,
+  where the engine's all-reduce runs beside none."""
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import bench_overlap  # pylint: disable=g-import-not-at-top
+  aot.topology_devices(bench_overlap.TPU_TOPOLOGY)
+  mesh = bench_overlap.tpu_mesh()
+  found = bench_overlap.measure(
+      bench_overlap.lowered_step(mesh, "dp", 64, 8, reduction="permutes"), None)
+  assert found["compiled_all_reduces"] == 0
+  assert len(found["all_gathers_compute_after"]) == bench_overlap.NUM_STAGES
+  assert len(found["permutes_compute_during"]) == bench_overlap.NUM_STAGES * (
+      bench_overlap.NUM_WORKERS - 1)
+  assert max(found["permutes_compute_during"]) > 0, found
+
+
 def test_tpu_plan_quick_compiles_every_strategy_with_the_predicted_collectives(tmp_path):
   """The documented ``python experiments/tpu_plan.py --quick``: the digits MLP under every
   strategy compiles for v5e:2x4, and its collective bytes per step are the cost model's."""

@@ -180,6 +180,29 @@ def test_collective_schedule_places_a_fused_collective_at_its_fusion():
   assert num_compute == 1
 
 
+ASYNC_SCHEDULE_HLO = """HloModule m, num_partitions=2
+
+ENTRY %main (a: f32[4], w: f32[4,4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %w = f32[4,4]{1,0} parameter(1)
+  %cp = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%a), source_target_pairs={{0,1},{1,0}}
+  %d.0 = f32[4]{0} dot(%w, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %d.1 = f32[4]{0} dot(%w, %d.0), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %got = f32[4]{0} collective-permute-done(%cp)
+  %ar = f32[4]{0} all-reduce(%got), replica_groups={{0,1}}, to_apply=%add
+  ROOT %d.2 = f32[4]{0} dot(%w, %ar), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_collective_schedule_counts_the_compute_an_async_collective_runs_beside():
+  """Two dots between the permute's start and done; the synchronous all-reduce runs beside none."""
+  scheduled, num_compute = hlo.collective_schedule(ASYNC_SCHEDULE_HLO)
+  assert [(c.kind, c.bytes, c.compute_after, c.compute_during) for c in scheduled] == [
+      ("collective-permute", 16, 3, 2), ("all-reduce", 16, 1, 0)]
+  assert num_compute == 3
+
+
 def test_collective_schedule_needs_an_entry():
   with pytest.raises(ValueError, match="ENTRY"):
     hlo.collective_schedule("HloModule m\n")

@@ -426,6 +426,58 @@ def test_tied_backward_matches_the_engines_backward(name, rule, num_workers, com
                             compensated=compensated)
 
 
+@pytest.mark.parametrize("name, rule, num_workers, compensated, tied", [
+    ("residual_mlp", "cdp-v2", 3, False, False), ("resnet18", "cdp-v1", 4, True, False),
+    ("residual_mlp", "dp", 4, False, True)])
+def test_permuted_reduction_matches_the_all_reduce(name, rule, num_workers, compensated, tied):
+  """``gradient_reduction="permutes"``: the engine's numbers over several steps, every leaf and
+  the model state (ResNet-18's BatchNorm), with 3 workers (chunks padded), DC-ASGD and the
+  other compensations, and with the tied backward."""
+  import executed_reference as ref  # pylint: disable=g-import-not-at-top
+  metrics, variables = ref.engine_run(name, rule, num_workers, compensated=compensated,
+                                      tied=tied, reduction="permutes")
+  ref.assert_matches_engine(metrics, variables, name, rule, num_workers,
+                            compensated=compensated)
+
+
+@pytest.mark.parametrize("backend", engine.BACKENDS)
+def test_permuted_reduction_in_a_scan_and_its_collectives(backend):
+  """Scanned steps (the carried views) under both backends equal the all-reduce's; the
+  program sums each stage by N-1 collective-permutes and one all-gather, no all-reduce."""
+  params, stage_ids, batch = make_problem(4, 3, width=8)
+  tx = optax.sgd(0.1, momentum=0.9)
+  batches = jax.tree.map(lambda x: np.stack([x, x[::-1]]), batch)
+  runs = {}
+  for reduction in engine.REDUCTIONS:
+    step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule="cdp-v2",
+                                  mesh=mesh_of(4), backend=backend, scan_steps=2,
+                                  gradient_reduction=reduction)
+    state = step.init(params)
+    for _ in range(2):
+      state, metrics = step(state, batches)
+    runs[reduction] = state, metrics
+  (got, got_m), (want, want_m) = runs["permutes"], runs["all-reduce"]
+  assert_tree_close((got.params, got.stale_params, got.opt_state, got_m),
+                    (want.params, want.stale_params, want.opt_state, want_m))
+  if backend == "shard_map":
+    step = engine.make_train_step(loss_fn, tx, stage_ids=stage_ids, rule="cdp-v2",
+                                  mesh=mesh_of(4), gradient_reduction="permutes")
+    found = hlo.stablehlo_collectives(step.lower(step.init(params), batch).as_text())
+    num_stages = engine.num_stages_of(stage_ids)
+    assert (found["all-reduce"], found["collective-permute"], found["all-gather"]) == (
+        0, num_stages * 3, num_stages)
+
+
+def test_permuted_reduction_refuses_what_it_cannot_run():
+  _, stage_ids, _ = make_problem(4, 2)
+  make = lambda **kw: engine.make_train_step(loss_fn, optax.sgd(0.1), stage_ids=stage_ids,
+                                             rule="dp", **kw)
+  with pytest.raises(ValueError, match="Unknown gradient_reduction 'ring'.*permutes"):
+    make(mesh=mesh_of(4), gradient_reduction="ring")
+  with pytest.raises(ValueError, match="1-D mesh of workers.*devices_per_worker=1"):
+    make(mesh=jax.make_mesh((4, 2), ("data", "fsdp")), gradient_reduction="permutes")
+
+
 def test_tied_backward_emits_one_all_reduce_per_stage_between_the_stages_backwards():
   """J all-reduces, each stage's before the backward of the stage below it: the program's
   order is forward, then per stage (last first) its backward's dots, its all-reduce, a barrier."""

@@ -13,7 +13,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from cdpjax import config as config_lib
-from cdpjax import distributed
+from cdpjax import distributed, engine
 from cdpjax import executor, executors
 from cdpjax import schedule
 from cdpjax import train
@@ -315,6 +315,11 @@ class TestBadMeshKeys:
        r"tied_backward=True ties the engine's.*parallelism='data'"),
       ("", dict(tied_backward=True, devices_per_worker=2),
        r"tied_backward=True .*devices_per_worker=1"),
+      ("parallelism=model", dict(gradient_reduction="permutes"),
+       r"gradient_reduction=permutes sums the engine's.*parallelism='data'"),
+      ("", dict(gradient_reduction="permutes", devices_per_worker=2),
+       r"gradient_reduction=permutes .*devices_per_worker=1"),
+      ("", dict(gradient_reduction="ring"), r"Unknown gradient_reduction 'ring'.*permutes"),
       ("parallelism=zero", dict(keep_activations=True),
        r"keep_activations=True .*parallelism='model'"),
   ])
@@ -326,6 +331,9 @@ class TestBadMeshKeys:
     c = load_config("digits", "parallelism=zero,smoke", num_replicas=4)  # 4 x 4 devices.
     with pytest.raises(ValueError, match=r"mesh \{'replica': 4, 'data': 4\} needs 16 devices"):
       train.make_mesh(c)
+
+  def test_the_config_knows_the_engines_reductions(self):
+    assert config_lib.GRADIENT_REDUCTIONS == engine.REDUCTIONS
 
   def test_resume_refuses_a_new_mesh_key_but_not_a_new_placement(self):
     refused, _ = train.config_changes({"num_replicas": 1}, {"num_replicas": 2})

@@ -152,7 +152,8 @@ def build(c, devices):
       c.parallelism, model, tx, params=params, model_state=model_state,
       stage_ids=train.model_stage_ids(c, model, params, sample), sample_input=sample,
       rule=config_lib.delay_rule(c), mesh=mesh, loss_fn=tasks.cross_entropy, backend=c.backend,
-      tied_backward=c.tied_backward, keep_activations=c.keep_activations)
+      tied_backward=c.tied_backward, keep_activations=c.keep_activations,
+      gradient_reduction=c.gradient_reduction)
   state = jax.eval_shape(executor.init, params, model_state)
   # The engine lowers abstract inputs as they are: they carry its placement (replicated state,
   # rows split over the workers). The executed timetables place them themselves.

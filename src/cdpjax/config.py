@@ -18,6 +18,7 @@ PARALLELISMS = ("data", "model", "zero")
 BACKENDS = ("shard_map", "pmap")
 LR_SCHEDULES = ("constant", "cosine", "step")
 STAGES_BY = ("params", "flops", "blocks")
+GRADIENT_REDUCTIONS = ("all-reduce", "permutes")  # engine.REDUCTIONS (no JAX import here).
 
 
 def load(path: str, arg: str | None = None, **overrides) -> ml_collections.ConfigDict:
@@ -89,6 +90,11 @@ def base_config() -> ml_collections.ConfigDict:
   # all-reduces stay apart over the backward (the TPU compiler merges them otherwise).
   # Same numbers and state; needs a model the executed schedules can cut into stages.
   c.tied_backward = False
+  # parallelism=data: how each stage's gradient is summed over the workers: all-reduce
+  # (one psum per stage), or permutes (collective-permutes around the ring of workers and
+  # an all-gather, the same bytes), which the TPU compiler runs beside the backward where
+  # it runs all-reduces after it. Same numbers up to float rounding.
+  c.gradient_reduction = "all-reduce"
   # parallelism=model: a forward keeps the activations its backward needs, which then
   # recomputes nothing of them (every stage but the first, whose input is the batch);
   # the default stashes each stage's input and recomputes its forward. Same numbers.
@@ -163,7 +169,8 @@ def shrink_for_smoke(c: ml_collections.ConfigDict, num_train_steps: int) -> None
 RENAMED_KEYS = {"stage_strategy": "stages_by"}
 # Keys added since, with the value a checkpoint that lacks them ran with.
 ADDED_KEYS = {"num_replicas": 1, "devices_per_worker": 1, "resume_step": -1,
-              "tied_backward": False, "keep_activations": False}
+              "tied_backward": False, "keep_activations": False,
+              "gradient_reduction": "all-reduce"}
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -182,7 +189,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
           "runs: use --config.parallelism=data.")
     delay_rule(c)  # Raises on a bad max_delay, distribution or straggler count.
   for key, valid in (("parallelism", PARALLELISMS), ("backend", BACKENDS),
-                     ("lr_schedule", LR_SCHEDULES), ("stages_by", STAGES_BY)):
+                     ("lr_schedule", LR_SCHEDULES), ("stages_by", STAGES_BY),
+                     ("gradient_reduction", GRADIENT_REDUCTIONS)):
     if c[key] not in valid:
       raise ValueError(f"Unknown {key} {c[key]!r}: set --config.{key} to one of {valid}.")
   if c.resume_step < -1:
@@ -232,6 +240,13 @@ def _validate_mesh(c: ml_collections.ConfigDict) -> None:
         "--config.tied_backward=True ties the engine's per-stage all-reduces into its backward "
         "on a 1-D mesh: use parallelism='data' with devices_per_worker=1, or "
         "--config.tied_backward=False (the executed schedules reduce each stage where it runs).")
+  if c.gradient_reduction != "all-reduce" and (c.parallelism != "data"
+                                               or c.devices_per_worker != 1):
+    raise ValueError(
+        f"--config.gradient_reduction={c.gradient_reduction} sums the engine's gradients over a "
+        "1-D mesh of workers: use parallelism='data' with devices_per_worker=1, or "
+        "--config.gradient_reduction=all-reduce (the executed schedules reduce each stage where "
+        "it runs).")
   if c.keep_activations and c.parallelism != "model":
     raise ValueError(
         "--config.keep_activations=True keeps the executed pipeline's activations "

@@ -2,7 +2,8 @@
 
 Worker ``i`` differentiates its micro-batch loss at its own mixed view
 ``theta~_i^j = theta^j_{t - d[i, j]}``; gradients are averaged per stage with one
-all-reduce per stage (a flat bucket), and one optimizer update is applied to
+all-reduce per stage (a flat bucket; or by collective-permutes, `_permuted_psum`), and one
+optimizer update is applied to
 ``theta_t``. The state carries ``theta_t`` and the ``D`` stale versions the rule
 reads, so ``dp``, ``cdp-v1``, ``cdp-v2`` and any delay matrix with entries in
 ``0..D`` are the same code. A fixed matrix is a compile-time constant (a stage
@@ -23,8 +24,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cdpjax import compensation, compiled, schedule
 from cdpjax import executor as executor_lib
+from cdpjax.executed.device import TPU_TILE
 
 BACKENDS = ("shard_map", "pmap")
+REDUCTIONS = ("all-reduce", "permutes")
+"""How the engine sums each stage's gradient over the workers (`make_train_step`)."""
 
 
 CyclicState = executor_lib.State
@@ -80,11 +84,36 @@ def _bucket_key(leaf) -> tuple:
   return jnp.dtype(leaf.dtype).name
 
 
-def _reduce_by_stage(grads, stage_of_leaf, num_stages, extras, axis_name, num_workers):
+def _permuted_psum(flat, axis_name, num_workers: int):
+  """``psum(flat, axis_name)`` of a 1-D ``flat`` by collective-permutes and an all-gather.
+
+  A reduce-scatter in ``N - 1`` steps around the ring of neighbours (each
+  device adds its own chunk to the partial sum it receives and passes it on,
+  so it ends with the whole sum of one chunk), then an all-gather of the
+  chunks: the bytes of a bandwidth-optimal all-reduce. Every device gets the
+  same values (each chunk is summed once). By hand because the TPU compiler
+  runs collective-permutes asynchronously, beside compute, and all-reduces
+  synchronously (BENCHMARKS.md, "Gradient all-reduces against the backward").
+  """
+  n, size = num_workers, flat.shape[0]
+  # Chunks of whole TPU tiles: the compiler then keeps the J all-gathers apart and runs more
+  # permutes beside compute (bench_overlap: 10 of 28 against 3, and 2 all-gathers).
+  chunks = jnp.pad(flat, (0, -size % (n * TPU_TILE))).reshape(n, -1)
+  me = jax.lax.axis_index(axis_name)
+  to_next = [(i, (i + 1) % n) for i in range(n)]
+  total = chunks[(me - 1) % n]  # After step k: the sum of chunk me-k-2 over devices me-k-1..me.
+  for k in range(n - 1):
+    total = jax.lax.ppermute(total, axis_name, to_next) + chunks[(me - k - 2) % n]
+  return jax.lax.all_gather(total, axis_name, tiled=True)[:size]  # Device d holds chunk d.
+
+
+def _reduce_by_stage(grads, stage_of_leaf, num_stages, extras, axis_name, num_workers,
+                     reduction: str = "all-reduce"):
   """Means ``grads`` and ``extras`` over workers with one psum per (stage, dtype).
 
   ``extras`` (the loss, model state) ride in the last stage's bucket, so a
-  float32 model issues exactly ``J`` all-reduces. Returns the reduced
+  float32 model issues exactly ``J`` all-reduces; with ``reduction="permutes"``
+  each bucket is summed by `_permuted_psum` instead. Returns the reduced
   ``(grads, extras)``.
   """
   g_leaves, g_def = jax.tree.flatten(grads)
@@ -98,7 +127,8 @@ def _reduce_by_stage(grads, stage_of_leaf, num_stages, extras, axis_name, num_wo
   for (stage, _), items in sorted(buckets.items()):
     # Scaled before packing, so the scaling fuses into the copy into the bucket.
     flat = jnp.concatenate([jnp.ravel(leaf) / num_workers for _, _, leaf in items])
-    flat = jax.lax.psum(flat, axis_name)
+    flat = (jax.lax.psum(flat, axis_name) if reduction == "all-reduce"
+            else _permuted_psum(flat, axis_name, num_workers))
     offset = 0
     for kind, k, leaf in items:
       part = flat[offset:offset + leaf.size].reshape(leaf.shape)
@@ -480,7 +510,7 @@ def _tied_backward(staged, view, model_state, batch, reduce_stage):
 
 
 def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
-                 sharded: bool = False, staged=None):
+                 sharded: bool = False, staged=None, reduction: str = "all-reduce"):
   """``one_step(state_in_slots, phase, batch, delays_NxJ) -> (state_in_slots, metrics)``,
   and ``step_of``, the same step that also returns ``theta_t``'s leaves and
   their update (for `_carried_view_body`), with the slots and views it is given.
@@ -524,7 +554,7 @@ def _one_step_fn(loss_fn, tx, r: _Rule, axis_name: str, with_model_state: bool,
         grads = jax.tree.map(lambda g, t, v: compensation.dc_corrected(g, t, v, r.plan.dc_lambda),
                              grads, fresh, view)
       return _reduce_by_stage(grads, stage_of_leaf, r.num_stages, extras, axis_name,
-                              r.num_workers)
+                              r.num_workers, reduction)
 
     if staged is not None:  # Each stage reduced right after its backward (`_tied_backward`).
       def reduce_stage(j, grads, extras):  # ``grads``: stage j's units.
@@ -696,7 +726,7 @@ def make_train_step(
     loss_fn: Callable, tx: optax.GradientTransformation, *, stage_ids, rule,
     mesh: Mesh, axis_name: str = "data", backend: str = "shard_map",
     with_model_state: bool = False, scan_steps: int | None = None,
-    donate: bool = True, staged=None) -> TrainStep:
+    donate: bool = True, staged=None, gradient_reduction: str = "all-reduce") -> TrainStep:
   """Builds the CDP train step over the mesh axis ``axis_name``.
 
   Args:
@@ -730,6 +760,12 @@ def make_train_step(
       over the backward, where the TPU compiler otherwise merges them into one
       after it (BENCHMARKS.md, "Gradient all-reduces against the backward").
       Same numbers; a flax model with dict params, a 1-D mesh.
+    gradient_reduction: ``"all-reduce"`` (one ``psum`` per stage) or
+      ``"permutes"``: each stage's sum by collective-permutes around the ring
+      of workers and an all-gather (`_permuted_psum`, the same bytes), which
+      the TPU compiler runs beside the backward where it runs all-reduces
+      after it, synchronously (BENCHMARKS.md, "Gradient all-reduces against
+      the backward"). The same numbers up to float rounding; a 1-D mesh.
 
   Returns:
     A ``TrainStep``; ``step(state, batch) -> (state, metrics)`` with metrics
@@ -764,18 +800,28 @@ def make_train_step(
         f"The axes inside a worker {within} must be Explicit (the state's sharding is typed): "
         f"build the mesh with jax.make_mesh(shape, names), or pass "
         "axis_types=(jax.sharding.AxisType.Explicit,) * len(names).")
+  if gradient_reduction not in REDUCTIONS:
+    raise ValueError(f"Unknown gradient_reduction {gradient_reduction!r}: use one of "
+                     f"{REDUCTIONS}.")
+  permuted = gradient_reduction == "permutes"
+  if permuted and within:
+    raise ValueError("gradient_reduction='permutes' sums over a 1-D mesh of workers: use "
+                     "devices_per_worker=1, or gradient_reduction='all-reduce'.")
   if staged is not None and within:
     raise ValueError("A tied backward (staged=) runs on a 1-D mesh of workers: use "
                      "devices_per_worker=1, or the engine's own backward.")
   one_step, step_of = _one_step_fn(loss_fn, tx, r, axis_name, with_model_state,
-                                    sharded=bool(within), staged=staged)
+                                    sharded=bool(within), staged=staged,
+                                    reduction=gradient_reduction)
   carried = _carried_leaves(r, scan_steps, within, backend)
   if any(carried):
     body = _carried_view_body(step_of, r, axis_name, scan_steps, carried)
   else:
     body = _body_fn(one_step, scan_steps)
+  # Unchecked types where a value equal on all workers is typed varying over them: the carried
+  # views, and the all-gathered sums (JAX 0.10's public all_gather types its result varying).
   run, place_state, place_batch = _compile(body, r, mesh, axis_name, within, backend, scan_steps,
-                                           donate, check_vma=not any(carried))
+                                           donate, check_vma=not (any(carried) or permuted))
   prepare = _prepare_fn(r, jax.tree.structure(stage_ids), scan_steps, backend, place_state,
                         place_batch)
   count = scan_steps or 1

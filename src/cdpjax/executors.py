@@ -21,7 +21,8 @@ from cdpjax.executed import device, pipeline, plan as plan_lib, staged as staged
 
 def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule, mesh,
                     loss_fn: Callable, with_model_state: bool, backend: str = "shard_map",
-                    scan_steps: int | None = None, tied_backward: bool = False, params=None,
+                    scan_steps: int | None = None, tied_backward: bool = False,
+                    gradient_reduction: str = "all-reduce", params=None,
                     model_state=None, sample_input=None, **_) -> executor_lib.Executor:
   """The update-rule engine (``cdpjax.engine``) behind the executor contract.
 
@@ -46,7 +47,8 @@ def engine_executor(model, tx: optax.GradientTransformation, *, stage_ids, rule,
             if tied_backward else None)
   train_step = engine.make_train_step(worker_loss, tx, stage_ids=stage_ids, rule=plan, mesh=mesh,
                                       backend=backend, with_model_state=with_model_state,
-                                      scan_steps=scan_steps, staged=staged)
+                                      scan_steps=scan_steps, staged=staged,
+                                      gradient_reduction=gradient_reduction)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   def init(params, model_state=None):
@@ -94,7 +96,8 @@ EXECUTORS = {"data": engine_executor, "model": pipeline_executor, "zero": zero_e
 def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, model_state,
           stage_ids, sample_input, rule, mesh, loss_fn: Callable,
           backend: str = "shard_map", scan_steps: int | None = None,
-          tied_backward: bool = False, keep_activations: bool = False) -> executor_lib.Executor:
+          tied_backward: bool = False, keep_activations: bool = False,
+          gradient_reduction: str = "all-reduce") -> executor_lib.Executor:
   """The executor of ``parallelism`` for a flax ``model`` cut into stages by ``stage_ids``.
 
   Args:
@@ -119,6 +122,8 @@ def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, 
       its backward, the ``J`` all-reduces kept apart (`engine_executor`).
     keep_activations: ``model`` only: forwards keep the activations their backward
       needs instead of its recomputing them (`cdpjax.executed.pipeline`).
+    gradient_reduction: ``data`` only: ``all-reduce`` or ``permutes``
+      (`engine.make_train_step`).
   """
   if parallelism not in EXECUTORS:
     raise ValueError(f"Unknown parallelism {parallelism!r}: use one of "
@@ -126,6 +131,10 @@ def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, 
   if keep_activations and parallelism != "model":
     raise ValueError(f"Kept activations are the executed pipeline's (parallelism='model'), not "
                      f"parallelism={parallelism!r}'s.")
+  if gradient_reduction != "all-reduce" and parallelism != "data":
+    raise ValueError(f"gradient_reduction={gradient_reduction!r} is the engine's "
+                     f"(parallelism='data'); parallelism={parallelism!r} reduces each stage where "
+                     "it runs.")
   if tied_backward and parallelism != "data":
     raise ValueError(f"A tied backward is the engine's (parallelism='data'); parallelism="
                      f"{parallelism!r} already reduces each stage where it runs.")
@@ -133,7 +142,8 @@ def build(parallelism: str, model, tx: optax.GradientTransformation, *, params, 
       model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
       sample_input=sample_input, rule=rule, mesh=mesh, loss_fn=loss_fn, backend=backend,
       with_model_state=model_state is not None, scan_steps=scan_steps,
-      tied_backward=tied_backward, keep_activations=keep_activations)
+      tied_backward=tied_backward, keep_activations=keep_activations,
+      gradient_reduction=gradient_reduction)
 
 
 def idle_fraction(plan: executor_lib.RulePlan, num_steps: int) -> float:

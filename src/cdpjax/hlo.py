@@ -168,12 +168,15 @@ class ScheduledCollective(NamedTuple):
     position: its index among the entry computation's instructions.
     compute_after: how many compute instructions (convolutions and dots, or
       fusions and calls that contain one) the schedule places after it.
+    compute_during: how many it places between an async pair's ``-start`` and
+      its ``-done``: the compute the collective runs beside (0 when synchronous).
   """
   name: str
   kind: str
   bytes: int
   position: int
   compute_after: int
+  compute_during: int = 0
 
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
@@ -233,6 +236,10 @@ def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
   instructions = [line for line in bodies[entry] if _INSTRUCTION.match(line)]
   is_compute = [_is_compute(line, (entry,)) for line in instructions]
   found = {c.name: c for c in collectives("\n".join(instructions))}
+  done_at = {}  # An async pair's -start name -> the position of its -done.
+  for position, line in enumerate(instructions):
+    if re.search(r"\s(?:%s)-done\(" % "|".join(KINDS), line):
+      done_at[_OPERAND.search(line.partition("-done(")[2]).group(1)] = position
 
   def fused(line: str) -> list[Collective]:  # The TPU compiler fuses some collectives.
     return [c for callee in _CALLEES.findall(line) if " fusion(" in line
@@ -243,7 +250,8 @@ def collective_schedule(hlo_text: str) -> tuple[list[ScheduledCollective], int]:
     for c in [found[name]] if name in found else fused(line):
       scheduled.append(ScheduledCollective(
           name=c.name, kind=c.kind, bytes=c.bytes, position=position,
-          compute_after=sum(is_compute[position + 1:])))
+          compute_after=sum(is_compute[position + 1:]),
+          compute_during=sum(is_compute[position + 1:done_at.get(c.name, position)])))
   return scheduled, sum(is_compute)
 
 

@@ -36,7 +36,7 @@ RESUMABLE_KEYS = ("learning_rate", "lr_schedule", "lr_decay_factor", "lr_decay_e
                   "warmup_epochs", "num_train_steps", "num_epochs", "log_every_steps",
                   "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints",
                   "eval_batch_size", "data_dir", "backend", "steps_per_call", "resume_step",
-                  "devices_per_worker", "parallelism")
+                  "devices_per_worker", "parallelism", "tied_backward", "gradient_reduction")
 
 
 def _config_dict(c) -> dict:

@@ -187,7 +187,7 @@ def build_runner(c, model, tx, variables, sample, mesh) -> Runner:
         c.parallelism, model, tx, params=params, model_state=model_state, stage_ids=stage_ids,
         sample_input=sample, rule=plan, mesh=mesh, loss_fn=tasks.cross_entropy,
         backend=c.backend, scan_steps=k if k > 1 else None, tied_backward=c.tied_backward,
-        keep_activations=c.keep_activations)
+        keep_activations=c.keep_activations, gradient_reduction=c.gradient_reduction)
 
   num, why = steps_per_call(c, jax.default_backend(), plan)
   by_k = {num: build(num)}
