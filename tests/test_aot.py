@@ -107,6 +107,20 @@ def test_executed_steps_report_their_collectives_slot_by_slot(executed, engine_r
       result["collectives"]["collective-permute"]["bytes_mean"] * result["devices_used"])
   assert executed["zero"]["collectives_by_slot"] is None  # ZeRO-3: lockstep, no slots.
   assert engine_run[1]["collectives_by_slot"] is None
+  assert result["collective_schedule"] is None  # The slots say when instead.
+
+
+def test_steps_without_slots_report_their_collectives_against_compute(executed, engine_run):
+  """The engine's all-reduce after its last compute instruction, synchronous (the launcher
+  prints it); ZeRO-3's reduce-scatters as its stages' backwards end, some before the last."""
+  proc, result = engine_run
+  schedule = result["collective_schedule"]
+  assert schedule["compute_instructions"] > 0
+  assert [(kind, after, during) for kind, _, after, during in schedule["collectives"]
+          if kind == "all-reduce"] == [("all-reduce", 0, 0)]
+  assert "against compute, in schedule order" in proc.stdout
+  zero3 = executed["zero"]["collective_schedule"]["collectives"]
+  assert any(kind == "reduce-scatter" and after > 0 for kind, _, after, _ in zero3), zero3
 
 
 def test_cdp_spreads_the_replicas_gradient_all_reduces_over_the_step():

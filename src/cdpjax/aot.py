@@ -48,7 +48,7 @@ IMAGE_DATASETS = {"digits": (10, (8, 8, 1)), "cifar10": (10, (32, 32, 3)),
                   "imagenet2012": (1000, (224, 224, 3))}
 REPORT_KEYS = ("topology", "chips", "devices_used", "mesh", "runs", "config", "num_params",
                "memory_per_chip", "hbm_per_chip_bytes", "hbm_source", "fits", "collectives",
-               "collectives_by_slot")
+               "collectives_by_slot", "collective_schedule")
 # FLOPs and the compiler's optimal_seconds are left out: XLA's cost analysis counts a loop's body
 # once, so a K-step scan or a slot loop reads as one iteration (ZeRO-3 showed 2.0e9 FLOPs and
 # CDP+ZeRO 4.9e8 for the same model and steps), and the HLO gives no per-op FLOPs to weight.
@@ -203,6 +203,10 @@ def report(lowered, topology: str, slots: bool = False) -> dict:
   kind in each slot of the step, summed over the chips
   (`cdpjax.hlo.collectives_per_trip`): when, in the step, the chips
   communicate; None for a program without a slot loop (ZeRO-3's lockstep step).
+  A program without one has ``collective_schedule`` instead: its collectives in
+  schedule order against its compute instructions (`cdpjax.hlo.collective_schedule`:
+  ``[kind, bytes, compute after it, compute beside it]``, the last for an
+  asynchronous collective, between its start and its done).
   """
   from cdpjax import compiled, hlo  # pylint: disable=g-import-not-at-top
   dump = tempfile.mkdtemp(prefix="cdpjax-aot-")
@@ -244,19 +248,44 @@ def report(lowered, topology: str, slots: bool = False) -> dict:
       "hbm_source": HBM_SOURCE,
       "fits": memory["hbm_bytes"] <= hbm,
       "collectives": hlo.collective_summary(text),
-      "collectives_by_slot": _by_slot(text) if slots else None,
+      **_by_slot_or_schedule(text, slots),
   }
 
 
-def _by_slot(hlo_text: str) -> dict[str, list[float]] | None:
-  """``{kind: [bytes in slot s, summed over the chips]}`` of a program's slot loop."""
+def _by_slot_or_schedule(hlo_text: str, slots: bool) -> dict:
+  """``collectives_by_slot``: ``{kind: [bytes in slot s, summed over the chips]}`` of a
+  program's slot loop; else ``collective_schedule`` of its entry computation."""
   from cdpjax import hlo  # pylint: disable=g-import-not-at-top
-  try:
-    per_trip = hlo.collectives_per_trip(hlo_text).sum(axis=1)
-  except ValueError:  # No slot loop.
-    return None
-  return {kind: per_trip[:, k].tolist() for k, kind in enumerate(hlo.KINDS)
-          if per_trip[:, k].any()}
+  if slots:
+    try:
+      per_trip = hlo.collectives_per_trip(hlo_text).sum(axis=1)
+      return {"collectives_by_slot": {kind: per_trip[:, k].tolist()
+                                      for k, kind in enumerate(hlo.KINDS) if per_trip[:, k].any()},
+              "collective_schedule": None}
+    except ValueError:  # No slot loop.
+      pass
+  scheduled, num_compute = hlo.collective_schedule(hlo_text)
+  return {"collectives_by_slot": None, "collective_schedule": {
+      "compute_instructions": num_compute,
+      "collectives": [[c.kind, c.bytes, c.compute_after, c.compute_during] for c in scheduled]}}
+
+
+def _schedule_lines(schedule) -> list[str]:
+  """Per kind: how many collectives the schedule places after the last compute instruction, and
+  how many run beside compute (asynchronous, compute between start and done)."""
+  if not schedule or not schedule["collectives"]:
+    return []
+  lines = [f"against compute, in schedule order ({schedule['compute_instructions']} compute "
+           "instructions: convolutions, dots and what holds them):"]
+  for kind in dict.fromkeys(k for k, *_ in schedule["collectives"]):
+    ops = [(b, after, during) for k, b, after, during in schedule["collectives"] if k == kind]
+    beside = sum(b for b, _, during in ops if during) / max(sum(b for b, _, _ in ops), 1)
+    lines.append(f"  {kind:<20} {len(ops)}: {sum(not after for _, after, _ in ops)} after the "
+                 f"last compute, {sum(bool(during) for *_, during in ops)} beside compute "
+                 f"({beside:.2f} of their bytes); compute after each: "
+                 + " ".join(str(after) for _, after, _ in ops[:16])
+                 + (" ..." if len(ops) > 16 else ""))
+  return lines
 
 
 def compile_config(c, topology: str) -> dict:
@@ -338,5 +367,6 @@ def summary(result: dict) -> str:
       lines.append(f"  {kind:<20} in {len(used)} of {len(per_slot)} slots ("
                    + ", ".join(map(str, used[:16])) + (", ..." if len(used) > 16 else "")
                    + f"), the busiest {max(per_slot) / (1 << 20):.2f} MiB")
+  lines += _schedule_lines(result.get("collective_schedule"))
   lines.append("FLOPs: not reported (XLA's cost analysis counts a loop body once, not per step)")
   return "\n".join(lines)
