@@ -86,6 +86,27 @@ def test_resume_three_plus_three_equals_six_straight_steps(tmp_path):
   assert a == b  # Bit-for-bit: same data position, parameters, stale version, momentum.
 
 
+def test_resume_under_the_other_gradient_reduction(tmp_path):
+  """3 steps summing gradients by all-reduce, then 3 more by collective-permutes
+  (``--config.gradient_reduction=permutes``, a key a resume may change): the straight run's
+  losses, to float rounding (the sums are added in another order)."""
+  overrides = dict(lr_schedule="constant", steps_per_call=1, checkpoint_every_steps=3)
+  straight = tmp_path / "straight"
+  train.train_and_evaluate(load_config("digits", "smoke", num_train_steps=6, **overrides),
+                           str(straight))
+  resumed = tmp_path / "resumed"
+  train.train_and_evaluate(load_config("digits", "smoke", num_train_steps=3, **overrides),
+                           str(resumed))
+  summary = train.train_and_evaluate(
+      load_config("digits", "smoke", num_train_steps=6, gradient_reduction="permutes",
+                  **overrides), str(resumed))
+  assert summary["final_step"] == 6
+  a, b = train_losses(straight), train_losses(resumed)
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose([b[k] for k in range(1, 7)], [a[k] for k in range(1, 7)],
+                             rtol=1e-5)
+
+
 @pytest.mark.parametrize("requested, eval_every, checkpoint_every, expected", [
     (16, 100, 200, 10), (16, 64, 32, 16), (16, 6, 4, 2), (3, 12, 12, 3), (16, 7, 100, 1)])
 def test_steps_per_call_divides_the_eval_and_checkpoint_intervals(requested, eval_every,
