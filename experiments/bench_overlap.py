@@ -27,7 +27,9 @@ backwards. And the engine's step with ``gradient_reduction="permutes"``
 ``N - 1`` collective-permutes around the ring of workers and an all-gather,
 which the TPU compiler runs asynchronously: how many compute instructions each
 permute runs beside (between its start and its done), and the share of the
-permutes' bytes that runs beside some.
+permutes' bytes that runs beside some; on the TPU compiler also for ResNet-50
+(``configs/imagenet_resnet50.py``, 8 workers, as ``cdpjax-compile`` builds
+it), both reductions.
 
 The executed timetables (``parallelism=model`` and ``zero``) run their step
 as a loop over slots: on the TPU compiler, for digits ResNet-18 with 2
@@ -134,6 +136,21 @@ def measure(lowered, compiler_options) -> dict:
   }
 
 
+RESNET50 = "configs/imagenet_resnet50.py"
+
+
+def measure_resnet50(reduction: str, devices) -> dict:
+  """The engine's ResNet-50 step on the topology's 8 chips, its gradients summed by
+  ``reduction``: where its collectives sit against its compute (`measure`)."""
+  from cdpjax import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.load(os.path.join(_common.REPO, RESNET50), None, num_workers=NUM_WORKERS,
+                      gradient_reduction=reduction)
+  lowered, _ = aot.build(c, devices)
+  return {"compiler": f"tpu {TPU_TOPOLOGY}", "backward": "engine", "rule": c.rule,
+          "combiner": "on", "reduction": reduction, "model": "ResNet-50",
+          **measure(lowered, None)}
+
+
 EXECUTED = ("gpipe", "cdp+mp", "zero-3", "cdp+zero")  # tpu_plan's executed strategies.
 EXECUTED_POINT = "configs/digits.py:model=resnet18"
 
@@ -182,6 +199,7 @@ def main(argv=None):
   if f"tpu {TPU_TOPOLOGY}" in meshes:
     devices = aot.topology_devices(TPU_TOPOLOGY)
     executed = [measure_executed(strategy, devices) for strategy in EXECUTED]
+    rows += [measure_resnet50(reduction, devices) for reduction in ("all-reduce", "permutes")]
   result = {"machine": _common.machine(), "num_workers": NUM_WORKERS, "num_stages": NUM_STAGES,
             "width": width, "rows": rows, "executed": executed}
   _common.write_json(out / "bench_overlap.json", result)

@@ -155,6 +155,9 @@ def bench_overlap_rows(data: dict) -> list[Row]:
       continue
     figure = f"{r['compiled_all_reduces']} all-reduce(s), compute after: {r['compute_after']}"
     what = f"{r['compiler']}, {r['backward']} backward, {r['rule']}, combiner {r['combiner']}"
+    if "model" in r:
+      what = f"{r['compiler']}, {r['model']} engine backward, {r['rule']}, all-reduce"
+      figure += f" (of {r['compute_instructions']})"
     if r["backward"] == "tied":
       spread = len(set(r["compute_after"])) == len(r["compute_after"]) > 1
       rows.append(Row(what, "the J all-reduces spread over the backward", figure, spread))
@@ -173,7 +176,8 @@ def _permuted_row(r: dict, num_stages: int) -> Row:
             f"compute instructions beside one); {len(r['all_gathers_compute_after'])} "
             f"all-gathers, compute after: {r['all_gathers_compute_after']}; "
             f"{r['compiled_all_reduces']} all-reduces")
-  what = f"{r['compiler']}, engine backward, {r['rule']}, gradient_reduction=permutes"
+  what = (f"{r['compiler']}, {r.get('model', 'residual MLP')} engine backward, {r['rule']}, "
+          "gradient_reduction=permutes")
   if r["compiler"] == "cpu":
     return _info(what, figure)
   apart = len(r["all_gathers_compute_after"]) == num_stages and not r["compiled_all_reduces"]
@@ -573,8 +577,9 @@ SECTIONS = (
             "CDP+ZeRO executed against ZeRO-3 and the engine on 2, 4 and 8 emulated devices.",
             "python experiments/bench_zero.py", bench_zero_rows),
     Section("bench_overlap", "Gradient all-reduces against the backward (compiled)",
-            "Where the compiler puts the J = 4 gradient all-reduces of a data-parallel step: "
-            "compute instructions (of 53) after each one. Summed by collective-permutes instead "
+            "Where the compiler puts the J = 4 gradient all-reduces of a data-parallel step (a "
+            "residual MLP; on the TPU compiler also ResNet-50, 8 workers): compute instructions "
+            "after each one (of 53 for the MLP). Summed by collective-permutes instead "
             "(--config.gradient_reduction=permutes), which the TPU compiler runs asynchronously: "
             "the compute instructions between each permute's start and its done. The executed "
             "timetables, whose step "
