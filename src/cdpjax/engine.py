@@ -2,9 +2,8 @@
 
 Worker ``i`` differentiates its micro-batch loss at its own mixed view
 ``theta~_i^j = theta^j_{t - d[i, j]}``; gradients are averaged per stage with one
-all-reduce per stage (a flat bucket; or by collective-permutes, `_permuted_psum`), and one
-optimizer update is applied to
-``theta_t``. The state carries ``theta_t`` and the ``D`` stale versions the rule
+all-reduce per stage (a flat bucket; or by collective-permutes, `_permuted_psum`), and
+one optimizer update is applied to ``theta_t``. The state carries ``theta_t`` and the ``D`` stale versions the rule
 reads, so ``dp``, ``cdp-v1``, ``cdp-v2`` and any delay matrix with entries in
 ``0..D`` are the same code. A fixed matrix is a compile-time constant (a stage
 all workers read at one version needs no select); a ``schedule.DelayRule``'s
