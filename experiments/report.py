@@ -281,9 +281,7 @@ def tpu_plan_rows(data: dict) -> list[Row]:
             ", ".join(f"{t} {v:+.2f}" for t, v in terms.items() if abs(v) >= 0.005)
             + f"; in all {sum(terms.values()):+.2f} (compiled "
             f"{(cz['peak_GiB'] - z3['peak_GiB']) * 1024:+.2f})"))
-      # Issue 34's goal is the bytes collectives move (received over links, below). Result
-      # bytes are buffers: a permute's counts on every chip, one it delivers nothing to
-      # included, and a reduce-scatter's is 1/(g-1) of what it receives (docs/design_notes.md).
+      # Issue 34's goal is the bytes moved, below (docs/design_notes.md).
       rows.append(_info(
           f"{model}: CDP+ZeRO collective result bytes / ZeRO-3's (buffers, not traffic: a "
           "permute's result counts on every chip, one it delivers nothing to included; a "
