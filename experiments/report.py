@@ -275,8 +275,8 @@ def tpu_plan_rows(data: dict) -> list[Row]:
         rows.append(_info(
             f"{model}: where CDP+ZeRO's HBM exceeds ZeRO-3's, by the cost model's terms (MiB; "
             "params, grads, optimizer: the owned stage's D+1 versions, gradient sum and "
-            "optimizer state, at the largest stage's size; buffers: each message class's stage "
-            "and gradient message; activations: the stash of stage inputs and the backward's "
+            "optimizer state, at the largest stage's size; buffers: the stage received and the "
+            "gradient messages, each smaller message class's stage; activations: the stash of stage inputs and the backward's "
             "recomputation; messages: the boundary carry and the stash row a backward reads)",
             ", ".join(f"{t} {v:+.2f}" for t, v in terms.items() if abs(v) >= 0.005)
             + f"; in all {sum(terms.values()):+.2f} (compiled "

@@ -593,7 +593,9 @@ def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
   keeps the gradients' sum (``grads``); a device holds the stage it uses, the
   gradient it receives as owner and the one it sends (``buffers``; the sent one
   in the transient where `Workload.transient_gradient`), and with several
-  message classes each smaller class's stage and gradient buffers. Its
+  message classes each smaller class's stage buffer, which its gradient
+  message passes through (a switch per class, `zero._cyclic_body`; the TPU
+  compiler runs a slot's stage messages before its events). Its
   ``Communication`` is the average device's. With ``replicas`` rings, each
   owner all-reduces its stage's gradient over them once per step (the average
   device: ``Psi_P / N``).
@@ -605,10 +607,8 @@ def cdp_zero(n: int, w: Workload, net: Network = Network(), *, rule="cdp-v2",
                                   window, n)
   versions = 1 + schedule.max_delay(rule)  # The owner keeps D + 1 whole versions of its stage.
   pmax = max(w.stage_param_bytes)
-  # Each message class but the largest adds its stage buffer and the gradient message that
-  # passes it through (`zero.message_classes`; the compiled ResNet-50 holds both).
   classes = set(w.message_bytes or [pmax])
-  buffers = (2 if w.transient_gradient else 3) * pmax + 2 * (sum(classes) - max(classes))
+  buffers = (2 if w.transient_gradient else 3) * pmax + sum(classes) - max(classes)
   messages = max(w.boundary_bytes, default=0.0) + max(w.stage_activation_bytes)
   memories = [Memory(versions * p, p, k * p, buffers, prof.peak[J - 1 - j] + _recompute(w),
                      prof.mean[J - 1 - j], messages, w.input_bytes)

@@ -28,9 +28,11 @@ call runs ``K`` steps as one ``lax.scan`` over the slots of the static plan
   on every chip, and the stages a slot's permute carries differ from worker
   to worker. Stages of like size share a permute; a stage much smaller than
   the largest (a ResNet cut by FLOPs) has its own, at its own size, so its
-  messages are not padded to the largest stage. Every chip then holds each
-  class's buffer. The owned stage, its versions and optimizer state stay
-  rows of the largest stage's size.
+  messages are not padded to the largest stage. Each class's events run in a
+  switch of their own, whose results are that class's buffers alone (its
+  gradient message passes its stage buffer through), so every chip holds
+  each class's stage buffer once. The owned stage, its versions and
+  optimizer state stay rows of the largest stage's size.
 
 An earlier version passed stages and gradient sums along the ring of workers
 (neighbours only, as the paper draws it): the same messages and bytes, but
@@ -166,8 +168,8 @@ def message_classes(staged: StagedModel, num_workers: int) -> tuple[tuple[int, t
   and the length of their messages (the largest's, in whole TPU tiles; `MESSAGE_PADDING`).
 
   One SPMD permute has one buffer shape on every chip: a class's messages are
-  its largest stage's size, and every chip holds each class's buffer (the
-  classes' sizes summed, where one class held the largest stage's).
+  its largest stage's size, and every chip holds each class's stage buffer
+  (the classes' sizes summed, where one class held the largest stage's).
   """
   unit = pad_to(num_workers, "cyclic")
   sizes = [min(-(-size // unit) * unit, staged.param_size) for size in staged.stage_param_sizes()]
@@ -379,15 +381,17 @@ class Ring(NamedTuple):
     return jax.lax.ppermute(buffer, AXIS, pairs)
 
 
-def _read(carry: _Carry, version, delay, predict: bool):
+def _read(carry: _Carry, version, delay, predict: bool, size=None):
   """The owner's read of its stage ``version`` rows behind its newest, ``delay`` steps stale
-  for the reader: with weight prediction, extrapolated (`compensation.predicted`)."""
-  num_versions = len(carry.versions_V)
-  theta = _select(carry.versions_V, (carry.head + version) % num_versions)
+  for the reader: with weight prediction, extrapolated (`compensation.predicted`); its first
+  ``size`` elements (a message class's: one read of the whole stage would be one buffer for
+  every class, live from the first class's message to the last's)."""
+  versions = [v[:size] for v in carry.versions_V]
+  theta = _select(versions, (carry.head + version) % len(versions))
   if not predict:
     return theta
   return compensation.predicted(
-      theta, _select(carry.versions_V, (carry.head + version + 1) % num_versions), delay)
+      theta, _select(versions, (carry.head + version + 1) % len(versions)), delay)
 
 
 def _widen(ring: Ring, message, size: int):
@@ -442,86 +446,76 @@ def _update(ring: Ring, tx, rule: executor_lib.RulePlan, acc, carry: _Carry, ste
       stats_3xK=stats)
 
 
-def _branches(staged: StagedModel, ring: Ring):
-  """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD``.
+def _branches(staged: StagedModel, ring: Ring, cls: int):
+  """``lax.switch`` branches indexed by ``IDLE``, ``FWD``, ``BWD`` for the stages of message
+  class ``cls`` (`message_classes`; a worker whose stage is in another class is idle here).
 
-  Operands ``(carry, event, received_C, state_2M, me, x, labels)``, ``received_C`` the
-  slot's stage messages, one a message class (`message_classes`): class ``c``'s a stage of
-  the class (``S_c``) then its model state (``M``); stage ``j`` reads its class's. Results
-  ``(boundary, stash_IA, stash_JxM, next_JxM, head_C, tail_C, state_2M, loss)``: a
-  backward's gradient message is ``head_C`` of its stage's class (the gradient, the next
-  model state) then ``tail_C`` of it (DC-ASGD's squares). Elsewhere ``head_C`` is
-  ``received_C`` passed through and ``tail_C`` zeros: no worker outside a backward sends a
-  gradient, and the branches' common result takes the buffer of the stage received, which a
-  backward no longer reads once it has its leaves. A result of zeros would hold a
-  stage-sized buffer of its own through every branch (the TPU compiler keeps a
+  Operands ``(io, ev, received, state_2M, stash_IA, me, x, labels)``: ``io`` what the
+  slot's classes hand on (``(boundary, stash_JxM, next_JxM, msg, loss)``, changed only by the
+  class of the worker's stage; the slot writes a forward's input into the stash before them,
+  so that no class passes the stash on: a conditional's result passed through is copied),
+  ``received`` the class's stage message (a stage of the class,
+  ``S_c``, then its model state, ``M``). Results ``(io, head, tail)``: a backward's gradient
+  message is ``head`` (the gradient, the next model state) then ``tail`` (DC-ASGD's squares).
+  Elsewhere ``head`` is ``received`` passed through and ``tail`` zeros: no worker outside a
+  backward sends a gradient, and the branches' common result takes the buffer of the stage
+  received, which a backward no longer reads once it has its leaves. A result of zeros would
+  hold a stage-sized buffer of its own through every branch (the TPU compiler keeps a
   conditional's result in one place across its branches): 0.3 GiB of heap on the 1B
   transformer (BENCHMARKS.md, "Pod plan"). The stage functions read a message whole (its
   leaves lie at its start) and a backward's gradient is as long, its model-state part then
   set: a slice ``[:S_c]`` would be a copy of the stage.
   """
-  size_m, last, classes = ring.size_m, ring.num_workers - 1, ring.classes
-  stage_class = ring.stage_class
-  num_dc = len(ring.dc_delays)
+  size_m, last = ring.size_m, ring.num_workers - 1
+  size, stages = ring.classes[cls]
+  local = jnp.asarray([stages.index(j) if j in stages else 0 for j in range(ring.num_workers)])
 
-  def tails():
-    return tuple(jnp.zeros((num_dc * size,), jnp.float32) for size, _ in classes)
+  def tail():
+    return jnp.zeros((len(ring.dc_delays) * size,), jnp.float32)
 
-  def per_stage(j, fn, received_C, *operands):
-    """``fn(k, message, received_C, *operands)`` for the traced stage ``j`` (a switch), its
-    stage's message (static ``k``) read from its class."""
-    axes = varying((received_C, *operands)) | varying(j)
-    return jax.lax.switch(j, [
-        lambda rc, *ops, k=k: vary(fn(k, rc[stage_class[k]], rc, *ops), axes)
-        for k in range(ring.num_workers)], received_C, *operands)
+  def per_stage(j, fn, *operands):
+    """``fn(k, *operands)`` for the traced stage ``j`` of the class (a switch, static ``k``)."""
+    axes = varying(operands) | varying(j)
+    return jax.lax.switch(local[j], [
+        lambda *ops, k=k: vary(fn(k, *ops), axes) for k in stages], *operands)
 
   def idle(ops):
-    c, received = ops[0], ops[2]
-    return ring.vary((c.boundary_A, c.stash_IA, c.stash_JxM, c.next_JxM, received, tails(),
-                      jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
+    io, received = ops[0], ops[2]
+    return ring.vary((io, received, tail()))
 
   def forward(ops):
-    c, ev, received, state, me, x, labels = ops
+    (boundary, stash_JxM, next_JxM, _, _), ev, received, state, _, me, x, labels = ops
     j, read = ev["stage"], state[:size_m]
     h, loss, new_state = per_stage(
-        j, lambda k, message, _, *ops: staged.apply(k, message, *ops),
-        received, read, c.boundary_A, x, labels)
+        j, lambda k, message, *ops: staged.apply(k, message, *ops),
+        received, read, boundary, x, labels)
     total = state[size_m:] + new_state
     mean = total / ring.num_workers
     # Worker N-1 closes the sum: the state of step t+1 goes on to the next step and the owner.
     msg = jnp.where(me == last, jnp.concatenate([mean, jnp.zeros_like(mean)]),
                     jnp.concatenate([read, total]))
-    at = (ev["stash_at"],)  # Stage j's input, and what lies after it as it was.
-    window = jax.lax.dynamic_slice(c.stash_IA, at, c.boundary_A.shape)
-    mine = jnp.arange(c.boundary_A.size) < ev["stash_size"]
-    stash = jax.lax.dynamic_update_slice(c.stash_IA, jnp.where(mine, c.boundary_A, window), at)
-    return ring.vary((h, stash, c.stash_JxM.at[j].set(read),
-                      c.next_JxM.at[j].set(mean), received, tails(), msg, loss))
+    return ring.vary(((h, stash_JxM.at[j].set(read), next_JxM.at[j].set(mean), msg, loss),
+                      received, tail()))
 
   def backward(ops):
-    c, ev, received, _, me, x, labels = ops
+    io, ev, received, _, stash_IA, me, x, labels = ops
+    boundary, stash_JxM, next_JxM, _, _ = io
     j = ev["stage"]
-    size_a = c.boundary_A.size
-    h_in = jax.lax.dynamic_slice(c.stash_IA, (ev["stash_at"],), (size_a,))
-    next_state = jnp.where(me == last, c.next_JxM[j], 0.0)
+    h_in = jax.lax.dynamic_slice(stash_IA, (ev["stash_at"],), (boundary.size,))
+    next_state = jnp.where(me == last, next_JxM[j], 0.0)
 
-    def stage_backward(k, message, received, state_m, h_in, x, labels, cot, next_state, delay):
+    def stage_backward(k, message, state_m, h_in, x, labels, cot, next_state, delay):
       grads, cot_in = staged.vjp(k, message, state_m, h_in, x, labels, cot)
       if k:  # The first stage reads the batch: its input's cotangent, zeros, is never read, and
         cot = cot_in  # the one it received stays in its buffer (no boundary of zeros made).
-      size = classes[stage_class[k]][0]
       # DC-ASGD: the owner adds dc_lambda * g * g * (theta_t - theta_read) per delay d.
       squares = [jnp.where(delay == d, grads[:size] * grads[:size], 0.0)
                  for d in ring.dc_delays]
       head = jax.lax.dynamic_update_slice(grads, next_state, (size,))
-      mine = lambda c, own, other: own if c == stage_class[k] else other
-      return (cot, tuple(mine(c, head, r) for c, r in enumerate(received)),
-              tuple(mine(c, jnp.concatenate(squares) if squares else t, t)
-                    for c, t in enumerate(tails())))
-    cot, heads, tail = per_stage(j, stage_backward, received, c.stash_JxM[j], h_in, x, labels,
-                                 c.boundary_A, next_state, ev["delay"])
-    return ring.vary((cot, c.stash_IA, c.stash_JxM, c.next_JxM, heads, tail,
-                      jnp.zeros((2 * size_m,), jnp.float32), jnp.zeros((), jnp.float32)))
+      return cot, head, jnp.concatenate(squares) if squares else tail()
+    cot, head, squares = per_stage(j, stage_backward, received, stash_JxM[j], h_in, x, labels,
+                                   boundary, next_state, ev["delay"])
+    return ring.vary(((cot,) + io[1:], head, squares))
 
   return [idle, forward, backward]
 
@@ -537,7 +531,7 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
   tables = {k: getattr(plan, k) for k in ("kind", "stage", "step", "version", "delay", "source",
                                           "serve_version", "serve_delay", "update",
                                           "update_step", "state_ring")}
-  branches = _branches(staged, ring)
+  branches = [_branches(staged, ring, cls) for cls in range(len(ring.classes))]
   size_p, size_m = ring.size_p, ring.size_m
   stage_class = jnp.asarray(ring.stage_class)
   update_sizes = [size for size, _ in ring.classes] if num_replicas > 1 else [size_p]
@@ -555,37 +549,44 @@ def _cyclic_body(staged: StagedModel, tx, rule: executor_lib.RulePlan, num_steps
         lambda acc, c, size=size: _update(ring, tx, rule, acc, c, ev["update_step"], first_step,
                                           size) for size in update_sizes],
         c.acc_Q, c._replace(acc_Q=None))._replace(acc_Q=c.acc_Q)
-    # The owner reads the version this slot's user of its stage needs and sends it, to itself
-    # for its own use (`plan.ZeroPlan.routes`), one permute a message class, each after the
-    # last (`device.after`: devices must not order them apart).
-    served = ring.vary(_read(c, ev["serve_version"], ev["serve_delay"], rule.predict))
-    received, after = [], None
-    for size, stages in ring.classes:
-      received.append(ring.route(
-          ("param", "owner"), slot, after,
-          lambda theta, m, size=size: jnp.concatenate([theta[:size], m]),
-          served, ring.vary(c.model_state_M), stages=stages))
-      after = received[-1][0]
+    # Per message class, in turn (`device.after`: devices must not order collectives apart):
+    # the owner reads the version this slot's user of a stage of the class needs and sends it,
+    # to itself for its own use (`plan.ZeroPlan.routes`); the workers whose stage is in the
+    # class run their events, in a switch whose results are the class's buffers alone; a
+    # backward's gradient goes to the owner (zeros elsewhere), who adds its class's and its
+    # own. One switch for all classes passed each class's buffers through every branch.
     mine = stage_class[ev["stage"]]
-    state = jnp.concatenate([
-        _select([r[size:] for r, (size, _) in zip(received, ring.classes)], mine),
-        jnp.zeros((size_m,), jnp.float32)])
+    ring_state = after = None
     if size_m:
-      state = jnp.where(ev["state_ring"] == 1, ring.route(
-          ("state", "ring"), slot, after, lambda m: m[slot % 2], c.state_2x2M), state)
-    x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
-    boundary, stash, stash_m, next_m, heads, tails, msg, loss = jax.lax.switch(
-        ev["kind"], branches, (c, ev, tuple(received), state, me, x, labels))
-    # A backward's gradient goes to the owner (zeros elsewhere); the owner adds its class's,
-    # and its own gradient here.
+      ring_state = after = ring.route(("state", "ring"), slot, None, lambda m: m[slot % 2],
+                                      c.state_2x2M)
     own = (ev["source"] == plan_lib.LOCAL) & (ev["kind"] == plan_lib.BWD)
-    incoming, after = [], None
-    for (size, stages), head, tail in zip(ring.classes, heads, tails):
+    acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q)
+    at = (ev["stash_at"],)  # A forward's input, and what lies after it as it was.
+    window = jax.lax.dynamic_slice(c.stash_IA, at, c.boundary_A.shape)
+    write = (jnp.arange(c.boundary_A.size) < ev["stash_size"]) & (ev["kind"] == plan_lib.FWD)
+    stash = jax.lax.dynamic_update_slice(c.stash_IA, jnp.where(write, c.boundary_A, window), at)
+    io = (c.boundary_A, c.stash_JxM, c.next_JxM,
+          ring.vary(jnp.zeros((2 * size_m,), jnp.float32)), ring.vary(jnp.zeros((), jnp.float32)))
+    x, labels = x_KxB[ev["step"]], labels_KxB[ev["step"]]
+    single = len(ring.classes) == 1
+    for cls, (size, stages) in enumerate(ring.classes):
+      served = ring.vary(_read(c, ev["serve_version"], ev["serve_delay"], rule.predict, size))
+      received = ring.route(("param", "owner"), slot, after, lambda *m: jnp.concatenate(m),
+                            served, ring.vary(c.model_state_M), stages=stages)
+      state = jnp.concatenate([received[size:], jnp.zeros((size_m,), jnp.float32)])
+      if ring_state is not None:
+        state = jnp.where(ev["state_ring"] == 1, ring_state, state)
+      kind = ev["kind"] if single else jnp.where(mine == cls, ev["kind"], plan_lib.IDLE)
+      io, head, tail = jax.lax.switch(kind, branches[cls],
+                                      (io, ev, received, state, stash, me, x, labels))
       message = jnp.concatenate([head, tail]) if tail.size else head
-      grads_in = ring.route(("grad", "owner"), slot, after, lambda g: g, message, stages=stages)
+      grads_in = ring.route(("grad", "owner"), slot, None, lambda g: g, message,
+                            stages=stages)
       after = grads_in[0]
-      incoming.append(_widen(ring, grads_in + jnp.where(own, message, 0.0), size))
-    acc = jnp.where(ev["update"] == 1, 0.0, c.acc_Q) + _select(incoming, owned)
+      incoming = _widen(ring, grads_in + jnp.where(own, message, 0.0), size)
+      acc = acc + (incoming if single else jnp.where(owned == cls, incoming, 0.0))
+    boundary, stash_m, next_m, msg, loss = io
     return c._replace(
         acc_Q=acc, state_2x2M=c.state_2x2M.at[slot % 2].set(msg), boundary_A=boundary,
         stash_IA=stash, stash_JxM=stash_m, next_JxM=next_m,
