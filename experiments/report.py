@@ -220,24 +220,19 @@ def _gib(gib: float) -> str:
 def _cyclic_floor_row(model: str, cz: dict, z3: dict, allowed: float) -> Row:
   """What any one SPMD program of the cyclic timetable holds beyond ZeRO-3's peak.
 
-  Workers start two slots apart, so at every slot one chip has stashed all
-  ``J - 1`` stage inputs (it runs the last stage), one runs a forward (the
-  events' boundary result is allocated beside the boundary received) and
-  every stage is in use (the largest stage's buffer is allocated). One
-  program allocates the same on every chip: where a chip runs the first
-  stage's backward, ZeRO-3's peak on the ResNets, ZeRO-3 holds no stashed
-  input and the first stage alone. docs/design_notes.md, "The floor of a
-  one-program cyclic timetable".
+  Workers start two slots apart, so wherever one runs the first stage's
+  backward (ZeRO-3's peak on the ResNets, where ZeRO-3 holds no stashed input)
+  another has stashed all ``J - 1`` stage inputs, and one program allocates
+  the same stash on every chip. The events' conditional has a forward
+  branch, whose boundary result cannot take the buffer of the boundary it
+  reads, and keeps one place across its branches: a boundary more than ZeRO-3
+  holds. docs/design_notes.md, "The floor of a one-program cyclic timetable".
   """
-  messages = cz["stage_message_MiB"]
-  extra = cz["stash_MiB"] + cz["boundary_MiB"] + max(messages) - messages[0]
-  floor = z3["peak_GiB"] + extra / 1024
+  floor = z3["peak_GiB"] + (cz["stash_MiB"] + cz["boundary_MiB"]) / 1024
   return _info(
       f"{model}: the least one SPMD program of the cyclic timetable holds: ZeRO-3's peak (its "
-      "first stage's backward) plus, for the chips at other phases of the same slot, the "
-      f"J - 1 stashed stage inputs ({cz['stash_MiB']:.1f} MiB), a boundary ("
-      f"{cz['boundary_MiB']:.1f}) and the largest stage less the first "
-      f"({max(messages) - messages[0]:.1f})",
+      f"first stage's backward) plus the J - 1 stage inputs another chip has stashed "
+      f"({cz['stash_MiB']:.1f} MiB) and the events' boundary result ({cz['boundary_MiB']:.1f})",
       f"{_gib(floor)}, {(floor - allowed) * 1024:+.0f} MiB from the goal's {_gib(allowed)}; "
       f"CDP+ZeRO {(cz['peak_GiB'] - floor) * 1024:+.0f} MiB from this floor")
 

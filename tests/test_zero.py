@@ -210,21 +210,19 @@ def test_each_use_gets_its_version_from_the_owner_and_each_gradient_goes_to_it(r
 
 
 @pytest.mark.parametrize("num_workers", [2, 3, 4, 5, 8])
-def test_a_first_stage_backward_shares_its_slot_with_a_full_stash_and_every_stage(num_workers):
+def test_a_first_stage_backward_shares_its_slot_with_a_full_stash(num_workers):
   """The premise of the one-program floor (report.py, `_cyclic_floor_row`): in the steady
   step, wherever a worker runs the first stage's backward, another has stashed all J - 1 stage
-  inputs (it runs the last stage), another runs a forward, and every stage is in use."""
+  inputs (it runs the last stage: the forward, after which the stash holds its input, or the
+  backward, which reads it)."""
   zero_plan = plan.zero_plan(schedule.delay_matrix("cdp-v2", num_workers, num_workers), 3)
   steady = zero_plan.step == 1
   slots = sorted({s for s, i in zip(*np.nonzero(steady & (zero_plan.kind == plan.BWD)
                                                 & (zero_plan.stage == 0)))})
   assert len(slots) == num_workers
   for s in slots:
-    busy = zero_plan.kind[s] != plan.IDLE
-    assert busy.all()
-    assert (zero_plan.stage[s][busy] == num_workers - 1).any()
-    assert (zero_plan.kind[s] == plan.FWD).any()
-    assert set(zero_plan.stage[s][busy].tolist()) == set(range(num_workers))
+    assert (zero_plan.kind[s] != plan.IDLE).all()
+    assert (zero_plan.stage[s] == num_workers - 1).any()
 
 
 @pytest.mark.parametrize("num_workers", [1, 2, 3, 4, 8])
