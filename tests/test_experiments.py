@@ -217,19 +217,9 @@ def test_bench_engine_quick(tmp_path):
     _script("bench_engine").main(["--quick", "--workers", "9"])
 
 
-def test_bench_engine_script_pins_one_cpu(tmp_path):
-  # BENCHMARKS.md's command at smoke size: as a script the benchmark runs on one CPU.
-  subprocess.run([sys.executable, str(EXPERIMENTS / "bench_engine.py"), "--quick",
-                  "--results_dir", str(tmp_path), "--workloads", "mlp", "--workers", "2",
-                  "--per_worker_batch", "128", "--steps_per_call", "1"],
-                 check=True, capture_output=True, timeout=600)
-  saved = json.loads((tmp_path / "bench_engine.json").read_text())
-  assert saved["machine"]["cores_used"] == 1 and saved["devices"] == 2
-  assert saved["workloads"][0]["variants"]["engine cdp-v1"]["same_ops_as_dp"]
-
-
 def test_bench_zero_script_pins_one_cpu(tmp_path):
-  # bench_pipeline and bench_zero share the flag (`_common.parser(timed=True)`); this one is quick.
+  # BENCHMARKS.md's timed benchmarks (bench_engine, bench_pipeline, bench_zero) share the flag
+  # (`_common.parser(timed=True)`); this one is quick.
   subprocess.run([sys.executable, str(EXPERIMENTS / "bench_zero.py"), "--quick", "--no-floors",
                   "--results_dir", str(tmp_path)], check=True, capture_output=True, timeout=600)
   saved = json.loads((tmp_path / "bench_zero.json").read_text())

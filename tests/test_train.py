@@ -36,8 +36,8 @@ def train_losses(workdir):
   return {m["step"]: m["train/loss"] for m in read_metrics(workdir) if "train/loss" in m}
 
 
-@pytest.mark.parametrize("rule,parallelism", [("dp", "data"), ("cdp-v1", "data"),
-                                               ("cdp-v2", "data"), ("cdp-v2", "zero")])
+@pytest.mark.parametrize("rule,parallelism", [("dp", "data"), ("cdp-v2", "data"),
+                                               ("cdp-v2", "zero")])
 def test_cifar10_resnet18_two_steps_under_mock_data(rule, parallelism, tmp_path):
   c = load_config("cifar10_resnet18", f"rule={rule},parallelism={parallelism},smoke")
   with tfds.testing.mock_data(num_examples=64):
