@@ -354,10 +354,8 @@ def tpu_plan_rows(data: dict) -> list[Row]:
                       f"{mk['peak_GiB'] / gk['peak_GiB']:.2f}" + recomputed,
                       mk["peak_GiB"] < gk["peak_GiB"]))
       if mk["peak_GiB"] >= gk["peak_GiB"]:  # The claim needs kept activations past a stage.
-        terms = [{t: p["model_terms_MiB"][t] for t in ("activations", "params")}
-                 for p in (gk, mk)]
-        saved = terms[0]["activations"] - terms[1]["activations"]
-        added = terms[1]["params"] - terms[0]["params"]
+        saved = gk["model_terms_MiB"]["activations"] - mk["model_terms_MiB"]["activations"]
+        added = mk["model_terms_MiB"]["params"] - gk["model_terms_MiB"]["params"]
         rows.append(_info(
             f"{model}: activations kept: what CDP+MP's stash saves against GPipe's and what its "
             "stale stage adds (the cost model's terms)",

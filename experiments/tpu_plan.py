@@ -456,7 +456,6 @@ def predicted(strategy: str, c, w=None) -> dict:
           "workload": {"param_bytes": w.param_bytes, "activation_bytes": w.activation_bytes,
                        "optimizer_factor": w.optimizer_factor},
           "stage_param_bytes": list(w.stage_param_bytes),
-          "stage_message_bytes": list(w.stage_message_bytes),
           "stash_bytes": sum(w.stage_activation_bytes),
           "boundary_bytes": max(w.boundary_bytes, default=0.0)}
 
@@ -543,7 +542,6 @@ def row(name, strategy, topology, compiled, prediction, shapes, calibrated: bool
       "by_slot_MiB": {kind: [b / mib for b in per_slot]  # All chips; executed timetables only.
                       for kind, per_slot in (compiled.get("collectives_by_slot") or {}).items()},
       "largest_stage_MiB": max(prediction["stage_param_bytes"]) / mib,
-      "stage_message_MiB": [b / mib for b in prediction["stage_message_bytes"]],
       "stash_MiB": prediction["stash_bytes"] / mib,
       "boundary_MiB": prediction["boundary_bytes"] / mib,
       "stage_padding": (len(prediction["stage_param_bytes"]) * max(prediction["stage_param_bytes"])
