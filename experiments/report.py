@@ -237,6 +237,21 @@ def _cyclic_floor_row(model: str, cz: dict, z3: dict, allowed: float) -> Row:
       f"CDP+ZeRO {(cz['peak_GiB'] - floor) * 1024:+.0f} MiB from this floor")
 
 
+def _in_hbm_figure(in_hbm: dict, points: dict) -> str:
+  """The goals' comparisons on the steps compiled with every buffer in HBM (``in_hbm``: GiB)."""
+  parts = []
+  if "cdp+zero" in in_hbm and "zero-3" in in_hbm:
+    parts.append(f"CDP+ZeRO / ZeRO-3 {_gib(in_hbm['cdp+zero'])} / {_gib(in_hbm['zero-3'])} = "
+                 f"{in_hbm['cdp+zero'] / in_hbm['zero-3']:.2f}")
+  if "cdp+mp" in in_hbm and "gpipe" in in_hbm:
+    parts.append(f"CDP+MP minus GPipe {(in_hbm['cdp+mp'] - in_hbm['gpipe']) * 1024:.2f} MiB "
+                 f"(a stage {points['cdp+mp']['largest_stage_MiB']:.2f})")
+  if "cdp+mp-kept" in in_hbm and "gpipe-kept" in in_hbm:
+    parts.append(f"activations kept: CDP+MP / GPipe {_gib(in_hbm['cdp+mp-kept'])} / "
+                 f"{_gib(in_hbm['gpipe-kept'])} = {in_hbm['cdp+mp-kept'] / in_hbm['gpipe-kept']:.2f}")
+  return "; ".join(parts)
+
+
 def tpu_plan_rows(data: dict) -> list[Row]:
   """Issue 34's goals of the compiled TPU programs, per model."""
   missing, refused = data.get("not_compiled") or [], data.get("refused") or []
@@ -361,6 +376,11 @@ def tpu_plan_rows(data: dict) -> list[Row]:
             "stale stage adds (the cost model's terms)",
             f"saves {saved:.2f} MiB, adds {added:.2f} MiB: below GPipe's only where the "
             "stash saves more than a stage"))
+    in_hbm = {s: p["hbm_only_GiB"] for s, p in points.items() if p.get("hbm_only_GiB")}
+    if in_hbm:  # The toys: what each step holds, with none of it placed in on-chip VMEM.
+      rows.append(_info(f"{model}: every buffer in HBM (compiled with memory-space assignment "
+                        "off, so none in on-chip VMEM: what each step holds, whatever the "
+                        "compiler's placement)", _in_hbm_figure(in_hbm, points)))
     if dp and "stage_padding" in dp:
       rows.append(_info(f"{model}: executed stage buffers padded to the largest stage",
                         f"J x largest / sum of the stages = {dp['stage_padding']:.2f}"))
@@ -632,8 +652,9 @@ SECTIONS = (
             "starts are small enough that the compiler keeps ZeRO-3's gathered stages and "
             "activations in on-chip VMEM (its HBM heap holds no large temporary, only 16 KiB "
             "tuple tables), while CDP+ZeRO's stage-sized permute buffers sit in HBM: the HBM "
-            "ratio there says where buffers were placed, HBM + VMEM how much is held; the pod "
-            "points, whose stages cannot fit on chip, decide the goal.",
+            "ratio there says where buffers were placed; compiled again with every buffer in HBM "
+            "(cdpjax-compile --hbm_only), HBM says how much is held. The pod points, whose "
+            "stages cannot fit on chip, decide the goal.",
             "python experiments/tpu_plan.py", tpu_plan_rows),
     Section("executed_equivalence", "Executed modes against parallelism=data",
             "ResNet-18 on digits, N = J = 4: the executed timetables (model, zero) against the "

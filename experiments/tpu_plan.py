@@ -23,6 +23,11 @@ with ``R = chips / J`` replicas of one pipeline or ring (the launcher's
 ``(replica, stage)`` and ``(replica, data)`` meshes, ``num_replicas``), as a
 pod run would.
 
+Issue 34's two ``v5e:2x4`` points are small enough that the compiler places
+much of a step in on-chip VMEM, differently per strategy; their memory
+strategies compile again with every buffer in HBM (``HBM_ONLY_MODELS``,
+``hbm_only_GiB``), where HBM shows all each step holds.
+
 Each compiled point is cached as JSON in ``--results_dir/points`` and is not
 compiled again; ``--quick`` compiles the digits MLP for v5e:2x4 instead. A
 last check compiles one ``lax.psum_scatter`` per operand shape for v5e:2x4
@@ -81,6 +86,11 @@ PLANS = {
     "quick": [("digits-mlp", "configs/digits.py", {}, {}, "v5e:2x4")],
 }
 NUM_STAGES = {"full": 4, "quick": 2}
+# Issue 34's v5e:2x4 points are small enough that the compiler places much of a step in on-chip
+# VMEM, differently per strategy: these strategies compile again with every buffer in HBM
+# (`cdpjax.aot.HBM_ONLY_OPTIONS`), so what each holds compares whatever the placement.
+HBM_ONLY_MODELS = ("lm-quick", "digits-resnet18")
+HBM_ONLY_STRATEGIES = ("gpipe", "cdp+mp", "zero-3", "cdp+zero", "gpipe-kept", "cdp+mp-kept")
 OPTIMIZER_FACTOR = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}  # Optimizer bytes per parameter byte.
 FLAT_MASK = {"adamw": 1.0}  # The executed timetables' AdamW decay mask: a float32 row per stage.
 
@@ -460,15 +470,18 @@ def predicted(strategy: str, c, w=None) -> dict:
           "boundary_bytes": max(w.boundary_bytes, default=0.0)}
 
 
-def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> dict | None:
+def compile_point(out_dir, name, c, strategy, topology, cached_only=False,
+                  hbm_only=False) -> dict | None:
   """The compiled report of one point, from the cache when there (else None if ``cached_only``),
-  or ``{"refused": why}`` for a point the launcher refuses (cached as well).
+  or ``{"refused": why}`` for a point the launcher refuses (cached as well). ``hbm_only``:
+  compiled with every buffer in HBM (cached apart).
 
   A cached report without the buffer assignment (``hbm_temp_ranges``, compiled
   before cdpjax-compile read it) is compiled again unless ``cached_only``.
   """
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
-  path = out_dir / "points" / f"{name}_{strategy}_{topology.replace(':', '_')}.json"
+  path = out_dir / "points" / (f"{name}_{strategy}_{topology.replace(':', '_')}"
+                               + ("_hbm-only" if hbm_only else "") + ".json")
   cached = json.loads(path.read_text()) if path.exists() else None
   if cached and ("refused" in cached or "hbm_temp_ranges" in cached["memory_per_chip"]
                  or cached_only):
@@ -477,7 +490,7 @@ def compile_point(out_dir, name, c, strategy, topology, cached_only=False) -> di
     return None
   path.parent.mkdir(parents=True, exist_ok=True)
   try:
-    result = aot.compile_config(c, topology)
+    result = aot.compile_config(c, topology, hbm_only=hbm_only)
   except ValueError as e:  # E.g. a stash past int32 offsets: the error names the fix.
     result = {"refused": str(e)}
   _common.write_json(path, result)
@@ -715,6 +728,12 @@ def main(argv=None):
       rows.append(row(name, strategy, topology, compiled,
                       predicted(strategy, c, calibrated) if calibrated else shapes, shapes,
                       bool(calibrated)))
+      if name in HBM_ONLY_MODELS and strategy in HBM_ONLY_STRATEGIES:
+        in_hbm = compile_point(out, name, c, strategy, topology, args.cached_only, hbm_only=True)
+        if in_hbm is None:
+          missing.append(f"{name} {strategy} {topology} with every buffer in HBM")
+        else:
+          rows[-1]["hbm_only_GiB"] = peak_bytes(in_hbm) / (1 << 30)
       print(f"{name} {strategy} {topology}: compiled", flush=True)
   lowering = reduce_scatter_lowering()
   result = {"rows": rows, "largest_transformer": largest, "largest_checked": checked,

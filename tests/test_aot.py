@@ -42,6 +42,22 @@ def engine_run(tmp_path_factory):
   return proc, json.loads((workdir / "compile.json").read_text())
 
 
+def test_hbm_only_places_no_buffer_on_chip(engine_run, tmp_path):
+  """``--hbm_only``: the same step with no buffer in on-chip VMEM (the compiler would put some
+  there). Its HBM need not be larger: placement in VMEM brings copies of its own."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "cdpjax.compile_main", "--config", "configs/digits.py:rule=cdp-v1",
+       "--config.num_workers=2", "--config.num_stages=2", "--config.eval_batch_size=16",
+       "--topology", TOPOLOGY, "--workdir", str(tmp_path), "--hbm_only"],
+      cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert "memory-space assignment off" in proc.stdout
+  placed, in_hbm = (r["memory_per_chip"] for r in
+                    (engine_run[1], json.loads((tmp_path / "compile.json").read_text())))
+  assert not engine_run[1]["hbm_only"] and placed["vmem_bytes"] > 0
+  assert in_hbm["vmem_bytes"] == 0 and in_hbm["hbm_bytes"] > 0
+
+
 def _counts(result):
   return {kind: c["count"] for kind, c in result["collectives"].items() if c["count"]}
 
@@ -239,10 +255,10 @@ def test_tpu_plan_records_a_refused_point_with_why(tmp_path, monkeypatch):
   sys.path.insert(0, os.path.join(REPO, "experiments"))
   import tpu_plan  # pylint: disable=g-import-not-at-top
 
-  def refuse(c, topology):
+  def refuse(c, topology, hbm_only):
     raise ValueError("too large: use fewer rows")
   monkeypatch.setattr(aot, "compile_config", refuse)
   first = tpu_plan.compile_point(tmp_path, "m", None, "gpipe-kept", "v5e:2x4")
   assert first == {"refused": "too large: use fewer rows"}
-  monkeypatch.setattr(aot, "compile_config", lambda c, t: pytest.fail("compiled again"))
+  monkeypatch.setattr(aot, "compile_config", lambda c, t, hbm_only: pytest.fail("compiled again"))
   assert tpu_plan.compile_point(tmp_path, "m", None, "gpipe-kept", "v5e:2x4") == first

@@ -22,6 +22,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. con
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology CHIP:SHAPE, e.g. v5e:2x4, "
                                 "v5e:16x16, v5p:8x8x4.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for compile.json.")
+_HBM_ONLY = flags.DEFINE_bool(
+    "hbm_only", False, "Compile with XLA's memory-space assignment off: no buffer in the chip's "
+    "on-chip VMEM, so HBM shows all the step holds (a small step's buffers otherwise sit in "
+    "VMEM, where the HBM figure does not see them).")
 flags.mark_flags_as_required(["config", "topology", "workdir"])
 EXIT_DOES_NOT_FIT = 2
 
@@ -33,7 +37,7 @@ def main(argv):
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
   try:
     aot.quiet_libtpu(_TOPOLOGY.value)  # Before JAX starts a backend.
-    result = aot.compile_config(_CONFIG.value, _TOPOLOGY.value)
+    result = aot.compile_config(_CONFIG.value, _TOPOLOGY.value, hbm_only=_HBM_ONLY.value)
   except (ValueError, RuntimeError) as e:
     sys.stderr.write(f"cdpjax-compile: error: {e}\n")
     sys.exit(1)
