@@ -31,15 +31,29 @@ def executed():
 
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory):
-  """The engine (CDP-v1), compiled by the launcher as a user runs it: its output and JSON."""
+  """The engine (CDP-v1), compiled by the launcher as a user runs it, beside its baseline (DP):
+  its output and JSON."""
   workdir = tmp_path_factory.mktemp("plan")
   proc = subprocess.run(
       [sys.executable, "-m", "cdpjax.compile_main", "--config", "configs/digits.py:rule=cdp-v1",
        "--config.num_workers=2", "--config.num_stages=2", "--config.eval_batch_size=16",
-       "--topology", TOPOLOGY, "--workdir", str(workdir)],
+       "--topology", TOPOLOGY, "--workdir", str(workdir), "--baseline"],
       cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr
   return proc, json.loads((workdir / "compile.json").read_text())
+
+
+def test_baseline_is_the_same_step_under_dp(engine_run):
+  """``--baseline``: the config compiled again under rule dp, and the two printed side by side."""
+  proc, result = engine_run
+  base = result["baseline"]
+  assert base["config"] == {**result["config"], "rule": "dp"}
+  assert base["mesh"] == result["mesh"] and base["num_params"] == result["num_params"]
+  hbm = [r["memory_per_chip"]["hbm_bytes"] for r in (result, base)]
+  assert "against DP (rule dp, the same parallelism, mesh and batch)" in proc.stdout
+  assert f"= {hbm[0] / hbm[1]:.2f}x" in proc.stdout
+  with pytest.raises(ValueError, match="set --config.rule"):
+    aot.baseline_config(_digits(rule="dp"))
 
 
 def test_hbm_only_places_no_buffer_on_chip(engine_run, tmp_path):
@@ -64,7 +78,8 @@ def _counts(result):
 
 def test_launcher_writes_the_report_quietly(engine_run):
   proc, result = engine_run
-  assert tuple(result) == aot.REPORT_KEYS
+  assert tuple(result) == (*aot.REPORT_KEYS, "baseline")
+  assert tuple(result["baseline"]) == aot.REPORT_KEYS
   assert "runs as the update-rule engine" in proc.stdout and "fits" in proc.stdout
   assert "HBM used" in proc.stdout and "the temp heap's large ranges:" in proc.stdout
   # The TPU VM look-ups libtpu would complain about are switched off for this process.

@@ -308,6 +308,51 @@ def compile_config(c, topology: str, hbm_only: bool = False) -> dict:
   return {k: result[k] for k in REPORT_KEYS}
 
 
+# Each parallelism's synchronous baseline (rule dp), as a careful user would run it: ZeRO-3
+# keeps every stage at its own size, gathered and reduced by all-gathers and reduce-scatters.
+BASELINES = {"data": "DP", "model": "GPipe", "zero": "ZeRO-3"}
+
+
+def baseline_config(c):
+  """Config ``c`` under rule dp: the same model, batch, parallelism and mesh, no delay."""
+  if c.rule == "dp":
+    raise ValueError("--baseline compares a delayed rule with dp, and the config's rule is dp: "
+                     "set --config.rule (e.g. cdp-v2), or leave out --baseline.")
+  b = c.copy_and_resolve_references()
+  with b.unlocked():  # No delay, so nothing to compensate.
+    b.rule, b.weight_prediction, b.dc_lambda, b.lr_delay_scale = "dp", False, 0.0, 0.0
+  return b
+
+
+def comparison(result: dict, baseline: dict) -> str:
+  """The report of a delayed rule beside its baseline's (`baseline_config`), for the terminal."""
+  def received(r):  # The mean chip's bytes received over links a step, every kind.
+    return sum(c["received_mean"] for c in r["collectives"].values())
+
+  def kinds(r):
+    return ", ".join(f"{k} x{_range(c['count_min'], c['count_max'], '.0f')}"
+                     for k, c in r["collectives"].items() if c["count"]) or "none"
+
+  name = BASELINES[result["config"]["parallelism"]]
+  hbm = [r["memory_per_chip"]["hbm_bytes"] for r in (result, baseline)]
+  moved = [received(r) for r in (result, baseline)]
+  lines = [f"against {name} (rule dp, the same parallelism, mesh and batch), this step / "
+           f"{name}'s, per chip:",
+           f"  HBM             {_gib(hbm[0])} / {_gib(hbm[1])} = {hbm[0] / hbm[1]:.2f}x "
+           f"({(hbm[0] - hbm[1]) / (1 << 20):+.2f} MiB)",
+           f"  received over links a step (mean chip)  {moved[0] / (1 << 20):.2f} / "
+           f"{moved[1] / (1 << 20):.2f} MiB"
+           + (f" = {moved[0] / moved[1]:.2f}x" if moved[1] else ""),
+           f"  collectives a step  {kinds(result)} / {kinds(baseline)}"]
+  for label, r in (("this step", result), (name, baseline)):
+    reduce = (r.get("collectives_by_slot") or {}).get("all-reduce")
+    if reduce:
+      lines.append(f"  {label}'s all-reduces in slots "
+                   + ", ".join(str(s) for s, b in enumerate(reduce) if b)
+                   + f" of {len(reduce)}")
+  return "\n".join(lines)
+
+
 def write(result: dict, workdir: str) -> str:
   """Writes ``compile.json`` in ``workdir``; returns its path."""
   os.makedirs(workdir, exist_ok=True)
