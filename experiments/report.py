@@ -249,6 +249,10 @@ def _in_hbm_figure(in_hbm: dict, points: dict) -> str:
   if "cdp+mp-kept" in in_hbm and "gpipe-kept" in in_hbm:
     parts.append(f"activations kept: CDP+MP / GPipe {_gib(in_hbm['cdp+mp-kept'])} / "
                  f"{_gib(in_hbm['gpipe-kept'])} = {in_hbm['cdp+mp-kept'] / in_hbm['gpipe-kept']:.2f}")
+  model = {s: in_hbm[s] / p["hbm_only_model_GiB"] for s, p in points.items()
+           if s in in_hbm and p.get("hbm_only_model_GiB")}
+  if model:  # Its activation terms compiled with every buffer in HBM as well.
+    parts.append("compiled / cost model " + ", ".join(f"{s} {v:.2f}" for s, v in model.items()))
   return "; ".join(parts)
 
 

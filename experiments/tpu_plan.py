@@ -256,9 +256,10 @@ def workload(c, executed: bool, pad_to: int = 1, measured: dict | None = None):
 
 
 def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
-                cached_only=False) -> dict | None:
+                cached_only=False, hbm_only=False) -> dict | None:
   """What the TPU compiler keeps per chip for one micro-batch's backward: the cost model's
-  activation terms, from programs compiled for ``topology`` (cached in ``points/``).
+  activation terms, from programs compiled for ``topology`` (cached in ``points/``; with
+  ``hbm_only``, every buffer in HBM).
 
   ``jax.vjp``'s residuals counted from their shapes (`residual_bytes`,
   `stage_residual_bytes`) include every intermediate; the compiler fuses the
@@ -279,7 +280,8 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
   if c.stages_by == "params":
     mode += "-params"
   path = out_dir / "points" / (f"{name}_calibration-{mode}-pad{pad_to}_"
-                               f"{topology.replace(':', '_')}.json")
+                               f"{topology.replace(':', '_')}"
+                               + ("_hbm-only" if hbm_only else "") + ".json")
   if path.exists():
     return json.loads(path.read_text())
   if cached_only:
@@ -312,7 +314,8 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * len(shared)
                                  + (P("chip"),) * len(own), out_specs=P("chip")))
     args = (*same(shared), *(jax.tree.map(per_chip, a) for a in own))
-    m = aot.report(step.lower(*args), topology)["memory_per_chip"]["hbm_by_kind"]
+    m = aot.report(step.lower(*args), topology, hbm_only=hbm_only)["memory_per_chip"][
+        "hbm_by_kind"]
     out = jax.eval_shape(step, *args)
     extra = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out[0])) / mesh.size
     return m.get("temp", 0) + (extra if gradient else 0)
@@ -667,15 +670,16 @@ def main(argv=None):
   rows, largest, missing, refused, workloads, checked = [], [], [], [], {}, None
   calibrated_workloads = {}
 
-  def measured(name, c, strategy, topology):
+  def measured(name, c, strategy, topology, hbm_only=False):
     """The workload of ``c`` with the compiler's activation terms (None if not calibrated)."""
     executed, pad = STRATEGIES[strategy][1] != "data", stage_pad(strategy, c)
-    key = (name, topology, c.parallelism, pad, c.keep_activations, c.stages_by)
+    key = (name, topology, c.parallelism, pad, c.keep_activations, c.stages_by, hbm_only)
     if key not in calibrated_workloads:
-      found = calibration(out, name, c, topology, executed, pad, args.cached_only)
+      found = calibration(out, name, c, topology, executed, pad, args.cached_only, hbm_only)
       calibrated_workloads[key] = found and workload(c, executed, pad, found)
       if not found:
-        missing.append(f"{name} calibration for {strategy} {topology}")
+        missing.append(f"{name} calibration for {strategy} {topology}"
+                       + (" with every buffer in HBM" if hbm_only else ""))
     return calibrated_workloads[key]
 
   def depth_calibrated(strategy, topology):
@@ -734,6 +738,10 @@ def main(argv=None):
           missing.append(f"{name} {strategy} {topology} with every buffer in HBM")
         else:
           rows[-1]["hbm_only_GiB"] = peak_bytes(in_hbm) / (1 << 30)
+          in_hbm_model = measured(name, c, strategy, topology, hbm_only=True)
+          if in_hbm_model:  # The cost model, its activations compiled with every buffer in HBM.
+            rows[-1]["hbm_only_model_GiB"] = (predicted(strategy, c, in_hbm_model)["peak_bytes"]
+                                              / (1 << 30))
       print(f"{name} {strategy} {topology}: compiled", flush=True)
   lowering = reduce_scatter_lowering()
   result = {"rows": rows, "largest_transformer": largest, "largest_checked": checked,
