@@ -29,18 +29,22 @@ def executed():
           for par, rule, kw in (("model", "cdp-v2", {}), ("zero", "dp", {"num_replicas": 4}))}
 
 
-@pytest.fixture(scope="module")
-def engine_run(tmp_path_factory):
-  """The engine (CDP-v1), compiled by the launcher as a user runs it, beside its baseline (DP):
-  its output and JSON."""
-  workdir = tmp_path_factory.mktemp("plan")
+def _compile_engine(workdir, flag):
+  """The engine (CDP-v1) compiled by the launcher as a user runs it, with ``flag``: its output
+  and JSON."""
   proc = subprocess.run(
       [sys.executable, "-m", "cdpjax.compile_main", "--config", "configs/digits.py:rule=cdp-v1",
        "--config.num_workers=2", "--config.num_stages=2", "--config.eval_batch_size=16",
-       "--topology", TOPOLOGY, "--workdir", str(workdir), "--baseline"],
+       "--topology", TOPOLOGY, "--workdir", str(workdir), flag],
       cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr
   return proc, json.loads((workdir / "compile.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory):
+  """The engine (CDP-v1) beside its baseline (DP), compiled by the launcher."""
+  return _compile_engine(tmp_path_factory.mktemp("plan"), "--baseline")
 
 
 def test_baseline_is_the_same_step_under_dp(engine_run):
@@ -59,15 +63,9 @@ def test_baseline_is_the_same_step_under_dp(engine_run):
 def test_hbm_only_places_no_buffer_on_chip(engine_run, tmp_path):
   """``--hbm_only``: the same step with no buffer in on-chip VMEM (the compiler would put some
   there). Its HBM need not be larger: placement in VMEM brings copies of its own."""
-  proc = subprocess.run(
-      [sys.executable, "-m", "cdpjax.compile_main", "--config", "configs/digits.py:rule=cdp-v1",
-       "--config.num_workers=2", "--config.num_stages=2", "--config.eval_batch_size=16",
-       "--topology", TOPOLOGY, "--workdir", str(tmp_path), "--hbm_only"],
-      cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stderr
+  proc, result = _compile_engine(tmp_path, "--hbm_only")
   assert "memory-space assignment off" in proc.stdout
-  placed, in_hbm = (r["memory_per_chip"] for r in
-                    (engine_run[1], json.loads((tmp_path / "compile.json").read_text())))
+  placed, in_hbm = (r["memory_per_chip"] for r in (engine_run[1], result))
   assert not engine_run[1]["hbm_only"] and placed["vmem_bytes"] > 0
   assert in_hbm["vmem_bytes"] == 0 and in_hbm["hbm_bytes"] > 0
 
