@@ -53,6 +53,7 @@ def test_baseline_is_the_same_step_under_dp(engine_run):
   base = result["baseline"]
   assert base["config"] == {**result["config"], "rule": "dp"}
   assert base["mesh"] == result["mesh"] and base["num_params"] == result["num_params"]
+  assert len(result["stage_params"]) == 2 and sum(result["stage_params"]) == result["num_params"]
   hbm = [r["memory_per_chip"]["hbm_bytes"] for r in (result, base)]
   assert "against DP (rule dp, the same parallelism, mesh and batch)" in proc.stdout
   assert f"= {hbm[0] / hbm[1]:.2f}x" in proc.stdout

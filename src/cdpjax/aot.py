@@ -47,7 +47,7 @@ _TOPOLOGY = re.compile(r"^(?P<chip>v\d+[a-z]*):(?P<shape>\d+(?:x\d+)*)$")
 IMAGE_DATASETS = {"digits": (10, (8, 8, 1)), "cifar10": (10, (32, 32, 3)),
                   "imagenet2012": (1000, (224, 224, 3))}
 REPORT_KEYS = ("topology", "chips", "devices_used", "mesh", "runs", "config", "num_params",
-               "hbm_only", "memory_per_chip", "hbm_per_chip_bytes", "hbm_source", "fits", "collectives",
+               "stage_params", "hbm_only", "memory_per_chip", "hbm_per_chip_bytes", "hbm_source", "fits", "collectives",
                "collectives_by_slot", "collective_schedule")
 # XLA's memory-space assignment off: it places buffers in the chip's on-chip memory (VMEM), so
 # a step small enough to fit there shows little HBM; off, every buffer is in HBM, and the HBM
@@ -135,7 +135,7 @@ def build(c, devices):
   import jax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from cdpjax import config as config_lib, executor as executor_lib, executors, tasks, train  # pylint: disable=g-import-not-at-top
+  from cdpjax import config as config_lib, executor as executor_lib, executors, stages, tasks, train  # pylint: disable=g-import-not-at-top
   config_lib.validate(c)
   if c.backend != "shard_map":
     raise ValueError(f"backend={c.backend!r} cannot be compiled ahead of time here: use "
@@ -152,9 +152,10 @@ def build(c, devices):
   model_state = {k: v for k, v in variables.items() if k != "params"} or None
   # The learning-rate schedule changes constants of the program, not its buffers or collectives.
   tx = train.make_optimizer(c, optax.constant_schedule(c.learning_rate))
+  stage_ids = train.model_stage_ids(c, model, params, sample)
   executor = executors.build(
       c.parallelism, model, tx, params=params, model_state=model_state,
-      stage_ids=train.model_stage_ids(c, model, params, sample), sample_input=sample,
+      stage_ids=stage_ids, sample_input=sample,
       rule=config_lib.delay_rule(c), mesh=mesh, loss_fn=tasks.cross_entropy, backend=c.backend,
       tied_backward=c.tied_backward, keep_activations=c.keep_activations,
       gradient_reduction=c.gradient_reduction)
@@ -167,7 +168,8 @@ def build(c, devices):
   batch = executor_lib.place(batch, rows)
   lowered = executor.lower(state, batch)
   info = {"mesh": dict(mesh.shape), "runs": executor.plan.describe(),
-          "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(params))}
+          "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
+          "stage_params": stages.stage_sizes(params, stage_ids)}
   return lowered, info
 
 
@@ -336,10 +338,12 @@ def comparison(result: dict, baseline: dict) -> str:
   name = BASELINES[result["config"]["parallelism"]]
   hbm = [r["memory_per_chip"]["hbm_bytes"] for r in (result, baseline)]
   moved = [received(r) for r in (result, baseline)]
+  stage = 4 * max(result["stage_params"])  # The executed timetables' float32 stage buffers.
   lines = [f"against {name} (rule dp, the same parallelism, mesh and batch), this step / "
            f"{name}'s, per chip:",
            f"  HBM             {_gib(hbm[0])} / {_gib(hbm[1])} = {hbm[0] / hbm[1]:.2f}x "
-           f"({(hbm[0] - hbm[1]) / (1 << 20):+.2f} MiB)",
+           f"({(hbm[0] - hbm[1]) / (1 << 20):+.2f} MiB: {(hbm[0] - hbm[1]) / stage:+.2f} times "
+           f"the largest of its {len(result['stage_params'])} stages, {_gib(stage)} in float32)",
            f"  received over links a step (mean chip)  {moved[0] / (1 << 20):.2f} / "
            f"{moved[1] / (1 << 20):.2f} MiB"
            + (f" = {moved[0] / moved[1]:.2f}x" if moved[1] else ""),
@@ -385,7 +389,8 @@ def summary(result: dict) -> str:
   lines = [
       f"{result['runs']}",
       f"topology {result['topology']}: {result['chips']} chips, the program uses "
-      f"{result['devices_used']} (mesh {result['mesh']}); {result['num_params']:,} parameters",
+      f"{result['devices_used']} (mesh {result['mesh']}); {result['num_params']:,} parameters "
+      f"(by stage: {', '.join(f'{n:,}' for n in result['stage_params'])})",
       "per chip, the buffer assignment" + (" (memory-space assignment off: every buffer in "
                                            "HBM)" if result.get("hbm_only") else "") + ":",
       f"  HBM used        {_gib(m['hbm_bytes'])} of {_gib(result['hbm_per_chip_bytes'])}: "
