@@ -47,8 +47,8 @@ _TOPOLOGY = re.compile(r"^(?P<chip>v\d+[a-z]*):(?P<shape>\d+(?:x\d+)*)$")
 IMAGE_DATASETS = {"digits": (10, (8, 8, 1)), "cifar10": (10, (32, 32, 3)),
                   "imagenet2012": (1000, (224, 224, 3))}
 REPORT_KEYS = ("topology", "chips", "devices_used", "mesh", "runs", "config", "num_params",
-               "stage_params", "hbm_only", "memory_per_chip", "hbm_per_chip_bytes", "hbm_source", "fits", "collectives",
-               "collectives_by_slot", "collective_schedule")
+               "stage_params", "hbm_only", "memory_per_chip", "hbm_per_chip_bytes",
+               "hbm_source", "fits", "collectives", "collectives_by_slot", "collective_schedule")
 # XLA's memory-space assignment off: it places buffers in the chip's on-chip memory (VMEM), so
 # a step small enough to fit there shows little HBM; off, every buffer is in HBM, and the HBM
 # figure is what the step holds whatever the placement (the fusions' scratch stays in VMEM).
@@ -338,7 +338,7 @@ def comparison(result: dict, baseline: dict) -> str:
   name = BASELINES[result["config"]["parallelism"]]
   hbm = [r["memory_per_chip"]["hbm_bytes"] for r in (result, baseline)]
   moved = [received(r) for r in (result, baseline)]
-  stage = 4 * max(result["stage_params"])  # The executed timetables' float32 stage buffers.
+  stage = 4 * max(result["stage_params"])  # The largest stage in float32: the goals' unit.
   lines = [f"against {name} (rule dp, the same parallelism, mesh and batch), this step / "
            f"{name}'s, per chip:",
            f"  HBM             {_gib(hbm[0])} / {_gib(hbm[1])} = {hbm[0] / hbm[1]:.2f}x "
