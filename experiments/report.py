@@ -241,8 +241,10 @@ def _in_hbm_figure(in_hbm: dict, points: dict) -> str:
   """The goals' comparisons on the steps compiled with every buffer in HBM (``in_hbm``: GiB)."""
   parts = []
   if "cdp+zero" in in_hbm and "zero-3" in in_hbm:
+    allowed = in_hbm["zero-3"] + 2 * points["cdp+zero"]["largest_stage_MiB"] / 1024
     parts.append(f"CDP+ZeRO / ZeRO-3 {_gib(in_hbm['cdp+zero'])} / {_gib(in_hbm['zero-3'])} = "
-                 f"{in_hbm['cdp+zero'] / in_hbm['zero-3']:.2f}")
+                 f"{in_hbm['cdp+zero'] / in_hbm['zero-3']:.2f} (ZeRO-3 plus two stages "
+                 f"{_gib(allowed)})")
   if "cdp+mp" in in_hbm and "gpipe" in in_hbm:
     parts.append(f"CDP+MP minus GPipe {(in_hbm['cdp+mp'] - in_hbm['gpipe']) * 1024:.2f} MiB "
                  f"(a stage {points['cdp+mp']['largest_stage_MiB']:.2f})")
