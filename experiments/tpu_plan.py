@@ -87,10 +87,8 @@ PLANS = {
     "quick": [("digits-mlp", "configs/digits.py", {}, {}, "v5e:2x4")],
 }
 NUM_STAGES = {"full": 4, "quick": 2}
-# Issue 34's v5e:2x4 points are small enough that the compiler places much of a step in on-chip
-# VMEM, differently per strategy: their memory strategies compile again with every buffer in HBM
-# (`cdpjax.aot.HBM_ONLY_OPTIONS`), so what each holds compares whatever the placement; so do
-# ResNet-50's CDP+ZeRO and ZeRO-3, whose goal is not met.
+# The points compiled again with every buffer in HBM (`cdpjax.aot.HBM_ONLY_OPTIONS`; the module
+# docstring says why).
 _MEMORY = ("gpipe", "cdp+mp", "zero-3", "cdp+zero", "gpipe-kept", "cdp+mp-kept")
 HBM_ONLY = {"lm-quick": _MEMORY, "digits-resnet18": _MEMORY, "resnet50": ("zero-3", "cdp+zero")}
 OPTIMIZER_FACTOR = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}  # Optimizer bytes per parameter byte.
@@ -281,9 +279,7 @@ def calibration(out_dir, name, c, topology, executed: bool, pad_to: int,
     mode = "executed-shards"  # ZeRO-3 gathers each stage at its own size.
   if c.stages_by == "params":
     mode += "-params"
-  path = out_dir / "points" / (f"{name}_calibration-{mode}-pad{pad_to}_"
-                               f"{topology.replace(':', '_')}"
-                               + ("_hbm-only" if hbm_only else "") + ".json")
+  path = point_path(out_dir, f"{name}_calibration-{mode}-pad{pad_to}", topology, hbm_only)
   if path.exists():
     return json.loads(path.read_text())
   if cached_only:
@@ -475,6 +471,12 @@ def predicted(strategy: str, c, w=None) -> dict:
           "boundary_bytes": max(w.boundary_bytes, default=0.0)}
 
 
+def point_path(out_dir, stem: str, topology: str, hbm_only: bool):
+  """Where a compiled point or calibration is cached (``_hbm-only``: every buffer in HBM)."""
+  return out_dir / "points" / (f"{stem}_{topology.replace(':', '_')}"
+                               + ("_hbm-only" if hbm_only else "") + ".json")
+
+
 def compile_point(out_dir, name, c, strategy, topology, cached_only=False,
                   hbm_only=False) -> dict | None:
   """The compiled report of one point, from the cache when there (else None if ``cached_only``),
@@ -485,8 +487,7 @@ def compile_point(out_dir, name, c, strategy, topology, cached_only=False,
   before cdpjax-compile read it) is compiled again unless ``cached_only``.
   """
   from cdpjax import aot  # pylint: disable=g-import-not-at-top
-  path = out_dir / "points" / (f"{name}_{strategy}_{topology.replace(':', '_')}"
-                               + ("_hbm-only" if hbm_only else "") + ".json")
+  path = point_path(out_dir, f"{name}_{strategy}", topology, hbm_only)
   cached = json.loads(path.read_text()) if path.exists() else None
   if cached and ("refused" in cached or "hbm_temp_ranges" in cached["memory_per_chip"]
                  or cached_only):
