@@ -237,6 +237,41 @@ def _cyclic_floor_row(model: str, cz: dict, z3: dict, allowed: float) -> Row:
       f"CDP+ZeRO {(cz['peak_GiB'] - floor) * 1024:+.0f} MiB from this floor")
 
 
+def _placement_row(placement: list[dict]) -> Row:
+  """Where the TPU compiler puts a stage a loop's slot receives, by how it is used
+  (`tpu_plan.conditional_placement`)."""
+  r = placement[0]
+  return _info(
+      f"{r['topology']}: where the TPU compiler places a stage of {r['stage_MiB']:.2f} MiB that a "
+      "loop's slot receives by a permute or sends (read unconditionally: as ZeRO-3 reads the "
+      "stage it gathered; read in a per-chip conditional: as each event of a cyclic timetable "
+      "reads its stage, its chips running different events in a slot; made in one and sent: a "
+      "backward's gradient message)",
+      "; ".join(f"{p['stage']}: {'HBM' if p['stage_in_hbm'] else 'on-chip VMEM'} (heap arrays "
+                f"{p['hbm_temp_arrays_MiB']:.2f} MiB, VMEM {p['vmem_MiB']:.2f})"
+                for p in placement))
+
+
+def _placed_floor_row(model: str, cz: dict, z3: dict) -> Row:
+  """What one SPMD program of the cyclic timetable holds in HBM beyond ZeRO-3's, as placed.
+
+  Its events run in a per-chip conditional, and the TPU compiler keeps what a
+  conditional reads in HBM (`_placement_row`): the stage received and the
+  stage input a backward reads, where ZeRO-3's gathered stage and activations
+  go on chip. Assumes the rest at least ZeRO-3's HBM: its shard of the state
+  and the batch (the cyclic owners hold every stage between them), and the
+  tuple tables of the same stages' fusions.
+  """
+  floor = z3["peak_GiB"] + (cz["largest_stage_MiB"] + cz["boundary_MiB"]) / 1024
+  return _info(
+      f"{model}: the least one SPMD program of the cyclic timetable holds in HBM as placed: "
+      f"ZeRO-3's HBM plus the stage received ({cz['largest_stage_MiB']:.2f} MiB) and the stage "
+      f"input a backward reads ({cz['boundary_MiB']:.2f}), which the events' per-chip "
+      "conditional reads (kept in HBM: the placement row)",
+      f"{_gib(floor)} = {floor / z3['peak_GiB']:.2f}x ZeRO-3's; CDP+ZeRO "
+      f"{(cz['peak_GiB'] - floor) * 1024:+.2f} MiB from it")
+
+
 def _in_hbm_figure(in_hbm: dict, points: dict) -> str:
   """The goals' comparisons on the steps compiled with every buffer in HBM (``in_hbm``: GiB)."""
   parts = []
@@ -264,6 +299,8 @@ def tpu_plan_rows(data: dict) -> list[Row]:
   rows = [Row("points of the plan compiled", "all", f"{len(data['rows'])}"
               + (f"; not yet: {', '.join(missing)}" if missing else ""), not missing)]
   rows += [_info(f"{r['point']}: refused by the launcher", r["why"]) for r in refused]
+  if data.get("conditional_placement"):
+    rows.append(_placement_row(data["conditional_placement"]))
   big = data.get("largest_checked")
   if big and "predicted_peak_GiB" in big:  # The cost model's largest transformer, compiled.
     figure = (f"{_gib(big['compiled_peak_GiB'])}" if "compiled_peak_GiB" in big
@@ -288,6 +325,8 @@ def tpu_plan_rows(data: dict) -> list[Row]:
         rows.append(Row(f"{model}: CDP+ZeRO peak / ZeRO-3's ({source})", "<= 1.25",
                         f"{_gib(cz['peak_GiB'])} / {_gib(z3['peak_GiB'])} = {peak:.2f}",
                         peak <= 1.25))
+        if peak > 1.25 and "boundary_MiB" in cz:
+          rows.append(_placed_floor_row(model, cz, z3))
       else:  # On the pod: ZeRO-3's plus the stale stage and one stage in flight.
         allowed = z3["peak_GiB"] + 2 * cz["largest_stage_MiB"] / 1024
         rows.append(Row(f"{model}: CDP+ZeRO peak against ZeRO-3's plus two stages ({source})",

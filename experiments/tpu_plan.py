@@ -413,6 +413,71 @@ def reduce_scatter_lowering(topology: str = "v5e:2x4") -> list[dict]:
   return rows
 
 
+PLACEMENT_STAGE = (5120, 128)
+"""The stage of `conditional_placement`: 2.5 MiB of float32 in whole TPU tiles (digits ResNet-18's
+largest stage is 2.52 MiB)."""
+PLACEMENT_READS = ("read unconditionally", "read in a per-chip conditional",
+                   "made in a per-chip conditional and sent")
+
+
+def conditional_placement(topology: str = "v5e:2x4") -> list[dict]:
+  """Where the TPU compiler places a stage-sized buffer of a loop over slots, by how it is used.
+
+  Each of 4 slots receives a stage from the previous chip by ``lax.ppermute``
+  and reads it whole (a stage's matmuls): ``read unconditionally``, as ZeRO-3
+  reads the stage it gathered, or ``read in a per-chip conditional`` (a
+  ``lax.switch`` on the chip and slot), as each event of a cyclic timetable
+  reads its stage, since chips run different events in a slot. ``made in a
+  per-chip conditional and sent``: a stage-sized buffer is the result of such
+  a switch and is sent, as a backward's gradient message. Rows: the temp heap's arrays in HBM and the
+  on-chip VMEM per chip, and whether the stage is in HBM (arrays of at least
+  a stage).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from cdpjax import aot  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(aot.topology_devices(topology), ("data",))
+  ring = [(c, (c + 1) % mesh.size) for c in range(mesh.size)]
+  rows, width = math.prod(PLACEMENT_STAGE), PLACEMENT_STAGE[1]
+  matmul = lambda a, b: jnp.matmul(a, b, precision="highest")  # At bf16 it sends half.
+
+  def read(stage, h):  # Every element of the stage, as a stage's compute reads its leaves.
+    tiles = stage.reshape(PLACEMENT_STAGE)
+    whole = jnp.tanh(matmul(tiles, h)).mean(0, keepdims=True)
+    return h + jnp.tanh(matmul(tiles[:width], h)) + whole
+
+  def make(h):
+    return jnp.tile(jnp.tanh(matmul(h, h)), (rows // (width * width), 1)).reshape(-1)
+
+  def program(how):
+    def slot(carry, s):
+      stage, h = carry
+      event = (jax.lax.axis_index("data") + s) % 2  # Chips run different events in a slot.
+      if how == PLACEMENT_READS[2]:
+        idle = lambda h: jax.lax.pcast(jnp.zeros((rows,), jnp.float32), "data", to="varying")
+        return (stage + jax.lax.ppermute(jax.lax.switch(event, [idle, make], h), "data", ring),
+                h), None
+      received = jax.lax.ppermute(stage, "data", ring)
+      if how == PLACEMENT_READS[0]:
+        return (stage, read(received, h)), None
+      return (stage, jax.lax.switch(event, [lambda x, h: h, read], received, h)), None
+    body = lambda stage, h: jax.lax.scan(slot, (stage, h), jnp.arange(4))[0]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32,
+                                             sharding=NamedSharding(mesh, P("data")))
+  found = []
+  for how in PLACEMENT_READS:
+    memory = aot.report(program(how).lower(spec(mesh.size * rows), spec(mesh.size * width, width)),
+                        topology)["memory_per_chip"]
+    found.append({"topology": topology, "stage": how, "stage_MiB": 4 * rows / 2**20,
+                  "hbm_temp_arrays_MiB": memory["hbm_temp_arrays_bytes"] / 2**20,
+                  "vmem_MiB": memory["vmem_bytes"] / 2**20,
+                  "stage_in_hbm": memory["hbm_temp_arrays_bytes"] >= 4 * rows})
+  return found
+
+
 def tpu_result_bytes(strategy: str, c, w, comm, num_steps: int = 1) -> float:
   """Result bytes per step of one ``analysis.Communication``, as the compiled TPU program has
   them in a ``num_steps``-step call.
@@ -746,15 +811,19 @@ def main(argv=None):
             rows[-1]["hbm_only_model_GiB"] = (predicted(strategy, c, in_hbm_model)["peak_bytes"]
                                               / (1 << 30))
       print(f"{name} {strategy} {topology}: compiled", flush=True)
-  lowering = reduce_scatter_lowering()
+  lowering, placement = reduce_scatter_lowering(), conditional_placement()
   result = {"rows": rows, "largest_transformer": largest, "largest_checked": checked,
-            "not_compiled": missing, "refused": refused,
-            "reduce_scatter_lowering": lowering, "hbm_source": aot.HBM_SOURCE}
+            "not_compiled": missing, "refused": refused, "reduce_scatter_lowering": lowering,
+            "conditional_placement": placement, "hbm_source": aot.HBM_SOURCE}
   _common.write_json(out / "tpu_plan.json", result)
   print_table(rows)
   for r in lowering:
     print(f"psum_scatter of {r['operand']} per chip over {r['chips']} chips ({r['topology']}): "
           f"{r['compiled']}")
+  for r in placement:
+    print(f"a stage {r['stage']} ({r['topology']}): "
+          f"{'HBM' if r['stage_in_hbm'] else 'on chip'} (HBM arrays {r['hbm_temp_arrays_MiB']:.2f} "
+          f"MiB, VMEM {r['vmem_MiB']:.2f} MiB)")
   if missing:
     print("not compiled (a run without --cached_only compiles what is missing):",
           "; ".join(missing))

@@ -242,6 +242,10 @@ def test_tpu_plan_quick_compiles_every_strategy_with_the_predicted_collectives(t
   for r in result["rows"]:
     assert r["collective_ratio_min"] == pytest.approx(1.0, rel=1e-3), r
     assert r["collective_ratio_max"] == pytest.approx(1.0, rel=1e-3), r
+  # What the cyclic timetables' events read in their per-chip conditional stays in HBM; read
+  # unconditionally (ZeRO-3's gathered stage), or made in the conditional, it goes on chip.
+  placed = {r["stage"]: r["stage_in_hbm"] for r in result["conditional_placement"]}
+  assert placed == dict(zip(tpu_plan.PLACEMENT_READS, (False, True, False)))
 
 
 def test_tpu_plan_predicts_the_kept_stash():
