@@ -96,6 +96,9 @@ def test_cyclic_pipeline_communicates_by_collective_permutes_only(executed):
   counts = _counts(executed["model"])
   assert set(counts) == {"collective-permute"}, counts
   assert executed["model"]["mesh"] == {"stage": 2}
+  # Each permute instruction's start is a tuple, and the TPU gives each a 16 KiB table.
+  tables = executed["model"]["memory_per_chip"]["hbm_tuple_tables_by_kind"]
+  assert tables.get("collective-permute-start", 0) >= 1, tables
 
 
 def test_zero3_gathers_and_reduce_scatters_on_tpu(executed):
@@ -121,6 +124,7 @@ def test_memory_and_fit_are_consistent_and_no_loop_blind_flops(executed, engine_
     # The heap holds arrays and tuple tables; the TPU's are 16 KiB slots.
     assert 0 <= m["hbm_temp_arrays_bytes"] <= m["hbm_by_kind"].get("temp", 0)
     assert m["hbm_tuple_tables"] * 16 * 1024 <= m["hbm_by_kind"].get("temp", 0)
+    assert sum(m["hbm_tuple_tables_by_kind"].values()) == m["hbm_tuple_tables"]
     assert result["fits"] == (m["hbm_bytes"] <= result["hbm_per_chip_bytes"])
     assert "flops" not in result and "optimal_seconds" not in result  # A loop body counted once.
   # The parameters of the same model: a replicated engine state holds them all on every chip.

@@ -93,7 +93,7 @@ def test_buffer_assignment_holds_arguments_and_outputs(mesh, x, tmp_path):
              and r["values"] for r in ranges)
   # The heap's array slots: the large ranges' values are arrays, all within the heap.
   assert sum(r["bytes"] for r in ranges) <= assignment["temp_arrays"] <= by_kind.get("temp", 0)
-  assert assignment["temp_tuple_tables"] >= 0
+  assert assignment["temp_tuple_tables"] == sum(assignment["temp_tuple_tables_by_kind"].values())
   peak = assignment["temp_live_peak"]  # The most of the heap live at once: within it, and what.
   assert 0 < peak["bytes"] <= by_kind["temp"] and peak["at"], peak
   assert 0 < sum(v["bytes"] for v in peak["values"]) <= peak["bytes"], peak

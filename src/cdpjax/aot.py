@@ -244,7 +244,8 @@ def report(lowered, topology: str, slots: bool = False, hbm_only: bool = False) 
                 hbm_temp_ranges=assignment["temp_ranges"],
                 hbm_temp_arrays_bytes=assignment["temp_arrays"],
                 hbm_temp_live_peak=assignment["temp_live_peak"],
-                hbm_tuple_tables=assignment["temp_tuple_tables"])
+                hbm_tuple_tables=assignment["temp_tuple_tables"],
+                hbm_tuple_tables_by_kind=assignment["temp_tuple_tables_by_kind"])
   chip, num_chips = parse_topology(topology)
   hbm = CHIP_HBM_BYTES[chip]
   text = compiled.hlo_text(program)
@@ -400,7 +401,9 @@ def summary(result: dict) -> str:
           f"{_gib(r['bytes'])} ({r['values'][0].split()[0]})" for r in m["hbm_temp_ranges"])
           or "none"),
       f"  the temp heap's arrays: {_gib(m['hbm_temp_arrays_bytes'])}; the rest is "
-      f"{m['hbm_tuple_tables']} tuple tables (16 KiB each) and alignment",
+      f"{m['hbm_tuple_tables']} tuple tables (16 KiB each: "
+      + ", ".join(f"{kind} {n}" for kind, n in m["hbm_tuple_tables_by_kind"].items())
+      + ") and alignment",
       *_live_peak_line(m.get("hbm_temp_live_peak")),
       f"  on-chip (VMEM)  {_gib(m['vmem_bytes'])}",
       "XLA's memory analysis (its temp is not the HBM heap: docs/multihost.md):",

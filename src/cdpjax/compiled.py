@@ -57,7 +57,7 @@ def buffer_assignment(dump_dir: str) -> dict:
 
   Returns ``{"spaces": {name: bytes}, "default_by_kind": {kind: bytes},
   "temp_ranges": [...], "temp_arrays": bytes, "temp_tuple_tables": count,
-  "temp_live_peak": {...}}``:
+  "temp_tuple_tables_by_kind": {kind: count}, "temp_live_peak": {...}}``:
   kinds ``parameter`` (arguments), ``temp`` (the heap of temporaries at its
   peak), ``output``, ``thread-local``, ``constant``; ``temp_ranges``, the
   disjoint byte ranges of that heap holding values of at least 2% of it
@@ -65,10 +65,15 @@ def buffer_assignment(dump_dir: str) -> dict:
   large temporaries the program needs at some point together, as the compiler
   placed them. ``temp_arrays``: the bytes of the heap that arrays cover; the
   rest is tuple tables (``temp_tuple_tables`` of them: the TPU compiler gives
-  each a 16 KiB slot, which dominates small programs' heaps) and alignment.
+  each a 16 KiB slot, which dominates small programs' heaps) and alignment;
+  ``temp_tuple_tables_by_kind`` counts them by the instruction that makes the
+  tuple (``fusion`` for every multi-output fusion, ``collective-permute-start``
+  for each permute instruction, ``tuple`` for a conditional branch's or a
+  loop's results...), most first.
   ``temp_live_peak`` (`_live_peak`): the most bytes of that heap live at once
   and the largest values then, from the dumped live ranges (None without them).
   """
+  import collections  # pylint: disable=g-import-not-at-top
   import glob  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
   found = {}
@@ -81,7 +86,7 @@ def buffer_assignment(dump_dir: str) -> dict:
   with open(found["memory-usage-report"][0]) as f:
     spaces = {name: int(total) for name, total in re.findall(
         r"^Memory Space: (\S+) \(color=\d+\)\nTotal bytes: (\d+)", f.read(), re.M)}
-  by_kind, heap, tuples = {}, [], set()
+  by_kind, heap, tuples = {}, [], {}
   with open(found["buffer-assignment"][0]) as f:
     text = f.read()
   for size, rest, values in re.findall(
@@ -96,8 +101,9 @@ def buffer_assignment(dump_dir: str) -> dict:
     if kind == "temp":
       for name, n, o, shape in re.findall(
           r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)", values):
-        if shape.startswith("("):
-          tuples.add(int(o))
+        if shape.startswith("("):  # A table's kind: the first value at its offset.
+          tuples.setdefault(int(o), "fusion" if "fusion" in name
+                            else re.sub(r"(\.\d+)?(\{.*\})?$", "", name))
         else:
           heap.append((int(o), int(n), f"{name} {shape}"))
   arrays, end = 0, 0  # The bytes of the heap that arrays cover (the union of their ranges).
@@ -116,7 +122,9 @@ def buffer_assignment(dump_dir: str) -> dict:
   live = glob.glob(f"{dump_dir}/*after_optimizations-live-range.txt")
   peak = _live_peak(text, open(live[0]).read()) if len(live) == 1 else None
   return {"spaces": spaces, "default_by_kind": by_kind, "temp_ranges": ranges,
-          "temp_arrays": arrays, "temp_tuple_tables": len(tuples), "temp_live_peak": peak}
+          "temp_arrays": arrays, "temp_tuple_tables": len(tuples),
+          "temp_tuple_tables_by_kind": dict(collections.Counter(tuples.values()).most_common()),
+          "temp_live_peak": peak}
 
 
 def _live_peak(assignment: str, live_range: str, largest: int = 6) -> dict | None:
