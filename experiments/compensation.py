@@ -37,18 +37,14 @@ FINAL = "final_bits_per_byte"
 
 def summarize(rows: list[dict], seeds: int) -> dict:
   """Per rule and variant: mean +- std of the final bits per byte, and the gap to dp's mean."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   table = {}
   for r in rows:
     table.setdefault(r["rule"], {}).setdefault(r["variant"], []).append(r)
   out = {}
   for rule, variants in table.items():
     for variant, runs in variants.items():
-      values = np.array([r[FINAL] for r in runs if not r["diverged"]])
       out.setdefault(rule, {})[variant] = {
-          "mean": float(values.mean()) if values.size else None,
-          "std": float(values.std()) if values.size else None, "n": int(values.size),
-          "seeds": sorted(r["seed"] for r in runs), "diverged": sum(r["diverged"] for r in runs),
+          **lm_sweep.seed_stats(runs, FINAL), "seeds": sorted(r["seed"] for r in runs), "diverged": sum(r["diverged"] for r in runs),
           **{k: runs[0][k] for k in VARIANTS[variant]}}
   dp = (out.get("dp") or {}).get("none")
   for rule, variants in out.items():

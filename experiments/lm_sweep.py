@@ -167,9 +167,17 @@ def train_one(task, optimizer, rule, lr, warmup, seed, extra, quick, out,
   return row
 
 
+def seed_stats(runs: list[dict], final: str) -> dict:
+  """Mean and std (over seeds, ddof 0) of the runs' ``final`` metric, and how many runs: those
+  that did not diverge."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  values = np.array([r[final] for r in runs if math.isfinite(score(r))])
+  return {"mean": float(values.mean()) if values.size else None,
+          "std": float(values.std()) if values.size else None, "n": int(values.size)}
+
+
 def summarize(rows: dict, grids: dict, rules, planned: int) -> dict:
   """The grid (seed 0) and, per task/optimizer/rule, the best point's seeds' mean +- std."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   tasks = {}
   for task, optimizers in grids.items():
     final = METRICS[task][1]
@@ -184,11 +192,9 @@ def summarize(rows: dict, grids: dict, rules, planned: int) -> dict:
         seeds = [r for r in rows.values() if (r["task"], r["optimizer"], r["rule"],
                                               r["learning_rate"], r["warmup_fraction"])
                  == (task, optimizer, rule, best["learning_rate"], best["warmup_fraction"])]
-        values = np.array([r[final] for r in seeds if math.isfinite(score(r))])
         table["optimizers"].setdefault(optimizer, {})[rule] = {
             "learning_rate": best["learning_rate"], "warmup_fraction": best["warmup_fraction"],
-            "mean": float(values.mean()) if values.size else None,
-            "std": float(values.std()) if values.size else None, "n": int(values.size),
+            **seed_stats(seeds, final),
             "diverged_seeds": sorted(r["seed"] for r in seeds if not math.isfinite(score(r))),
             "seeds": sorted(r["seed"] for r in seeds),
             "grid": [{k: r[k] for k in ("learning_rate", "warmup_fraction", "diverged", final)}

@@ -282,3 +282,17 @@ def test_compensation_quick(tmp_path):
     assert row["gap_to_dp"] == pytest.approx(row["mean"] / table["dp"]["none"]["mean"] - 1)
   assert len(list((tmp_path / "runs").iterdir())) == 1 + len(study.RULES) * len(
       study.QUICK_VARIANTS)
+
+
+def test_adam_betas_quick(tmp_path):
+  study = _script("adam_betas")
+  result = study.main(["--quick", "--results_dir", str(tmp_path)])
+  assert json.loads((tmp_path / "adam_betas.json").read_text())["table"] == result["table"]
+  runs = [json.loads(p.read_text()) for p in (tmp_path / "runs").iterdir()]
+  assert len(runs) == 2 * len(study.RULES)
+  assert {(r["adam_b1"], r["adam_b2"]) for r in runs} == {(0.9, 0.999), (0.0, 0.999)}
+  for point, row in result["table"].items():
+    assert set(row) == {*study.RULES, "gap_to_dp"} and 0 < row["dp"]["mean"] < 9, point
+    assert row["gap_to_dp"] == pytest.approx(row["cdp-v2"]["mean"] / row["dp"]["mean"] - 1)
+  # The decay reaches the optimizer: b1 0 trains otherwise than b1 0.9.
+  assert len({row["dp"]["mean"] for row in result["table"].values()}) == 2

@@ -178,7 +178,7 @@ def test_missing_text_dataset_names_the_preparation_command(tmp_path, name):
 
 def test_global_norm_clip_and_adamw_mask():
   c = ml_collections.ConfigDict(dict(optimizer="sgd", momentum=0.0, weight_decay=0.0,
-                                     grad_clip_norm=1.0))
+                                     grad_clip_norm=1.0, adam_b1=0.9, adam_b2=0.999))
   tx = train.make_optimizer(c, optax.constant_schedule(1.0))
   params = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
   grads = {"a": jnp.full(3, 4.0), "b": jnp.full((2, 2), 3.0)}  # Global norm sqrt(48 + 36).
@@ -194,13 +194,15 @@ def test_global_norm_clip_and_adamw_mask():
   np.testing.assert_allclose(updates["b"], -0.1 * 0.5, rtol=1e-6)
 
 
-def test_adamw_is_optaxs_bit_for_bit():
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.5, 0.95)])
+def test_adamw_is_optaxs_bit_for_bit(betas):
   """AdamW with the decay mask in the state (a scalar per leaf) against optax.adamw, masked to
-  matrices, over several steps."""
+  matrices, over several steps, with the config's moment decays."""
   c = ml_collections.ConfigDict(dict(optimizer="adamw", momentum=0.0, weight_decay=0.1,
-                                     grad_clip_norm=0.0))
+                                     grad_clip_norm=0.0, adam_b1=betas[0], adam_b2=betas[1]))
   tx = train.make_optimizer(c, optax.constant_schedule(1e-2))
-  ref = optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+  ref = optax.adamw(1e-2, b1=betas[0], b2=betas[1], weight_decay=0.1,
+                    mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
   key = jax.random.key(0)
   params = {"bias": jax.random.normal(key, (5,)), "kernel": jax.random.normal(key, (5, 3))}
   got = want = params
@@ -295,6 +297,18 @@ def test_weight_prediction_departs_from_the_straight_run_at_step_four(straight_r
     config_lib.validate(lm_config("smoke", dc_lambda=-1.0))
   with pytest.raises(ValueError, match="lr_delay_scale must be >= 0"):
     config_lib.validate(lm_config("smoke", lr_delay_scale=-0.5))
+  with pytest.raises(ValueError, match="adam_b2 is a decay rate in"):
+    config_lib.validate(lm_config("smoke", adam_b2=1.0))
+
+
+def test_a_saved_config_from_before_a_key_was_added_reads_as_it_ran(tmp_path):
+  """`cdpjax-export` and `cdpjax-sample` rebuild a run from its config.json: a key added to the
+  configs since reads as the value the run ran with (`config.ADDED_KEYS`)."""
+  old = {k: v for k, v in json.loads(lm_config("smoke").to_json_best_effort()).items()
+         if k not in ("adam_b1", "adam_b2")}
+  (tmp_path / "config.json").write_text(json.dumps(old))
+  saved = config_lib.saved(str(tmp_path))
+  assert (saved.adam_b1, saved.adam_b2) == (0.9, 0.999) and saved.model == "transformer"
 
 
 def test_lm_resume_three_plus_three_equals_six_straight_steps(straight_run, tmp_path):

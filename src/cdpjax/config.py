@@ -108,6 +108,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer = "sgd"  # sgd (with momentum), adam or adamw.
   c.learning_rate = 0.05
   c.momentum = 0.9
+  c.adam_b1 = 0.9  # adam and adamw: the decay of the first moment (optax's b1),
+  c.adam_b2 = 0.999  # and of the second (b2; language models often train with 0.95).
   c.weight_decay = 0.0
   c.lr_schedule = "cosine"
   c.lr_decay_factor = 0.1
@@ -150,8 +152,8 @@ def saved(workdir: str) -> ml_collections.ConfigDict:
   if not os.path.isfile(path):
     raise ValueError(f"{path} does not exist: give the --workdir of a cdpjax-train run that "
                      "saved a checkpoint.")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  with open(path) as f:  # A key added since: the value the run ran with.
+    return ml_collections.ConfigDict({**ADDED_KEYS, **json.load(f)})
 
 
 def shrink_for_smoke(c: ml_collections.ConfigDict, num_train_steps: int) -> None:
@@ -170,7 +172,7 @@ RENAMED_KEYS = {"stage_strategy": "stages_by"}
 # Keys added since, with the value a checkpoint that lacks them ran with.
 ADDED_KEYS = {"num_replicas": 1, "devices_per_worker": 1, "resume_step": -1,
               "tied_backward": False, "keep_activations": False,
-              "gradient_reduction": "all-reduce"}
+              "gradient_reduction": "all-reduce", "adam_b1": 0.9, "adam_b2": 0.999}
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -214,6 +216,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
         "devices of the mesh (evaluation is sharded over them).")
   if c.warmup_steps and c.warmup_epochs:
     raise ValueError("Set --config.warmup_steps or --config.warmup_epochs, not both.")
+  for key in ("adam_b1", "adam_b2"):
+    if not 0 <= c[key] < 1:
+      raise ValueError(f"--config.{key} is a decay rate in [0, 1), got {c[key]}.")
   for key in ("dc_lambda", "lr_delay_scale"):
     if c[key] < 0:
       raise ValueError(f"--config.{key} must be >= 0 (0: off), got {c[key]}.")

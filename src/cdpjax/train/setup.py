@@ -87,9 +87,10 @@ def make_optimizer(c: ml_collections.ConfigDict, lr: optax.Schedule):
   if c.optimizer == "sgd":
     opt = optax.sgd(lr, momentum=c.momentum or None)
   elif c.optimizer == "adam":
-    opt = optax.adam(lr)
+    opt = optax.adam(lr, b1=c.adam_b1, b2=c.adam_b2)
   elif c.optimizer == "adamw":  # optax.adamw's chain, with the mask kept in the state.
-    opt = optax.chain(optax.scale_by_adam(), decay_matrices(c.weight_decay),
+    opt = optax.chain(optax.scale_by_adam(b1=c.adam_b1, b2=c.adam_b2),
+                      decay_matrices(c.weight_decay),
                       optax.scale_by_learning_rate(lr))
   else:
     raise ValueError(f"Unknown optimizer {c.optimizer!r}: use 'sgd', 'adam' or 'adamw'.")
