@@ -40,6 +40,16 @@ def test_companion_matrix_agrees_with_the_closed_form(tau):
       stability.fixed_delay_limit(tau), abs=1e-4)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 0.9])
+def test_heavy_ball_limits_are_jurys(beta):
+  """With momentum beta, lr * L < 2 (1 + beta) without delay and < 1 - beta one step late."""
+  _, _, hessians, stage_of_coord = problem()
+  for tau, closed in ((0, 2 * (1 + beta)), (1, 1 - beta)):
+    limit = stability.stability_limit(hessians, stage_of_coord, np.full((N, J), tau), tol=1e-6,
+                                      momentum=beta)
+    assert limit == pytest.approx(closed, abs=1e-4), (tau, beta)
+
+
 @pytest.mark.parametrize("tau", [1, 2])
 def test_weight_prediction_limit_is_that_of_its_characteristic_polynomial(tau):
   """Every read tau late and extrapolated: x_{t+1} = x_t - a ((1 + tau) x_{t-tau} - tau
@@ -114,12 +124,15 @@ def engine_runs():
   init = [np.zeros((half, 1), np.float32)] * J
   steps = {}
 
-  def run(rule, lr_times_l):
-    if rule not in steps:
-      steps[rule] = engine.make_train_step(loss_fn, sgd(learning_rate=0.0), stage_ids=stages.grouped(init),
-                                           rule=rule, mesh=mesh, scan_steps=STEPS)
-    state = engine.init_state(init, sgd(learning_rate=lr_times_l / big_l), rule=rule)
-    _, metrics = steps[rule](state, batch)
+  def run(rule, lr_times_l, momentum=None):
+    kind = (rule, momentum is not None)  # Momentum, a hyperparameter of the state: one compile.
+    if kind not in steps:
+      steps[kind] = engine.make_train_step(
+          loss_fn, sgd(learning_rate=0.0, momentum=momentum), stage_ids=stages.grouped(init),
+          rule=rule, mesh=mesh, scan_steps=STEPS)
+    state = engine.init_state(init, sgd(learning_rate=lr_times_l / big_l, momentum=momentum),
+                              rule=rule)
+    _, metrics = steps[kind](state, batch)
     return np.asarray(metrics["loss"], np.float64)
 
   return run, hessians, stage_of_coord
@@ -139,3 +152,16 @@ def test_engine_diverges_where_theory_says(engine_runs, rule):
     assert limit == pytest.approx(1.0, abs=1e-3)  # lr * L < 1 with one step of delay.
   assert not diverges(run(rule, 0.9 * limit))
   assert diverges(run(rule, 1.1 * limit))
+
+
+@pytest.mark.parametrize("rule, beta", [("dp", 0.5), ("cdp-v1", 0.5), ("cdp-v2", 0.9)])
+def test_engine_with_momentum_diverges_where_theory_says(engine_runs, rule, beta):
+  """optax.sgd's momentum on the engine: stable below the companion matrix's limit, not above
+  (cdp-v1's is 1 - beta: momentum narrows a delayed rule's steps as it widens dp's)."""
+  run, hessians, stage_of_coord = engine_runs
+  limit = stability.stability_limit(hessians, stage_of_coord, schedule.delay_matrix(rule, N, J),
+                                    momentum=beta)
+  if rule == "cdp-v1":
+    assert limit == pytest.approx(1 - beta, abs=1e-3)
+  assert not diverges(run(rule, 0.9 * limit, momentum=beta))
+  assert diverges(run(rule, 1.1 * limit, momentum=beta))

@@ -19,6 +19,17 @@ Closed form for one delay ``tau`` on every coordinate: per eigenvalue
 Biology 9, 1976; also Kuruklis, J. Math. Anal. Appl. 188, 1994). So
 ``lr * L < 2`` without delay, ``< 1`` for ``tau = 1`` (``cdp-v1``), ``< 0.618``
 for ``tau = 2``.
+
+With heavy-ball momentum ``beta`` (`companion`), per eigenvalue
+``x_{t+1} = (1 + beta) x_t - beta x_{t-1} - a x_{t-tau}``. Without delay its
+characteristic polynomial ``z^2 - (1 + beta - a) z + beta`` is stable iff
+``0 < a < 2 (1 + beta)``; with ``tau = 1``, ``z^2 - (1 + beta) z + beta + a``
+iff ``0 < a < 1 - beta`` (Jury's conditions). So momentum widens DP's stable
+steps and narrows a one-step delay's: at ``beta = 0.9`` the delay cuts the
+largest stable step 38-fold (3.8 against 0.1), at ``beta = 0`` 2-fold. With
+momentum as an average (Adam's ``b1``: ``m = b1 m + (1 - b1) g``, so
+``a = lr lambda (1 - b1)``) the limits on ``lr * L`` are ``2 (1 + b1) / (1 - b1)``
+and ``1``: a one-step delay takes all that the average gives the step.
 """
 from __future__ import annotations
 
@@ -83,11 +94,20 @@ def delay_operators(hessians, stage_of_coord, delays, *, predict: bool = False,
   return ops * scale[stage_of_coord][None, :, None]
 
 
-def companion(ops, lr: float) -> np.ndarray:
-  """The ``(D+1) p`` square matrix mapping ``(theta_t, ..., theta_{t-D})`` one step on."""
+def companion(ops, lr: float, momentum: float = 0.0) -> np.ndarray:
+  """The ``(D+1) p`` square matrix mapping ``(theta_t, ..., theta_{t-D})`` one step on.
+
+  ``momentum``: heavy-ball momentum ``beta`` (``optax.sgd(lr, momentum=beta)``:
+  ``theta_{t+1} = theta_t + beta (theta_t - theta_{t-1}) - lr sum_k A_k theta_{t-k}``),
+  which needs ``theta_{t-1}`` in the state even without delay.
+  """
+  if momentum and len(ops) == 1:
+    ops = np.concatenate([ops, np.zeros_like(ops)])
   num, p, _ = ops.shape
   c = np.zeros((num * p, num * p))
-  c[:p, :p] = np.eye(p)
+  c[:p, :p] = (1 + momentum) * np.eye(p)
+  if momentum:
+    c[:p, p:2 * p] = -momentum * np.eye(p)
   for k in range(num):
     c[:p, k * p:(k + 1) * p] -= lr * ops[k]
   for k in range(1, num):
@@ -116,16 +136,18 @@ def lipschitz(hessians) -> float:
 
 
 def stability_limit(hessians, stage_of_coord, delays, *, tol: float = 1e-4,
-                    **compensation) -> float:
+                    momentum: float = 0.0, **compensation) -> float:
   """The largest stable ``lr * L`` for a fixed delay matrix (companion-matrix spectral radius).
 
   The stable set of ``lr`` is taken to be an interval ``(0, limit)``, as it is
-  for one delay; the bisection finds its end. ``compensation``: ``predict``,
-  ``lr_delay_scale`` and ``dc`` of `delay_operators`.
+  for one delay; the bisection finds its end. ``momentum``: heavy-ball momentum
+  (`companion`). ``compensation``: ``predict``, ``lr_delay_scale`` and ``dc`` of
+  `delay_operators`.
   """
   ops = delay_operators(hessians, stage_of_coord, delays, **compensation)
   big_l = lipschitz(hessians)
-  return _bisect(lambda x: spectral_radius(companion(ops, x / big_l)) >= 1.0, 2.0, tol)
+  return _bisect(lambda x: spectral_radius(companion(ops, x / big_l, momentum)) >= 1.0, 2.0,
+                 tol)
 
 
 def mean_delay_limit(probs: Sequence[float], *, tol: float = 1e-4) -> float:
