@@ -777,8 +777,8 @@ SECTIONS = (
             "python experiments/compensation.py", compensation_rows),
     Section("adam_betas", "Adam's moment decays against the delay (LM)",
             "The LM quick start, AdamW with 10% warm-up, dp and cdp-v2 at Adam's b1 (0.9, 0.5, 0) "
-            "and b2 (0.999, 0.95), at cdp-v2's tuned learning rate (2e-3) and a larger one "
-            "(8e-3): asynchrony acts as momentum (Mitliagkas et al., 2016), so a delayed rule "
+            "and b2 (0.999, 0.95), at cdp-v2's tuned learning rate (2e-3), 4e-3 and 8e-3 (near "
+            "dp's best): asynchrony acts as momentum (Mitliagkas et al., 2016), so a delayed rule "
             "may want less of its own.",
             "python experiments/adam_betas.py", adam_betas_rows),
     Section("compensated_thresholds", "Delay compensation on a quadratic: stability (issue 35)",
