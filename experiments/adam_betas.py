@@ -23,7 +23,6 @@ and each delayed rule's gap to dp's:
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 
 import _common
@@ -79,16 +78,8 @@ def main(argv=None) -> dict:
   rows = []
   for seed in range(args.seeds):  # Seed-major: an interrupted study has every point's first seeds.
     for (lr, b2, b1), rule in itertools.product(points, RULES):
-      extra = {"adam_b1": b1, "adam_b2": b2}
-      name = lm_sweep.run_name("lm", "adamw", rule, lr, args.warmup, seed, f"b1-{b1:g}_b2-{b2:g}")
-      path = out / "runs" / f"{name}.json"
-      if path.exists():
-        row = json.loads(path.read_text())
-      else:
-        row = lm_sweep.train_one("lm", "adamw", rule, lr, args.warmup, seed, extra, args.quick,
-                                 out, f"b1-{b1:g}_b2-{b2:g}")
-        print(f"{name}: {'diverged' if row['diverged'] else f'{row[FINAL]:.4f}'}", flush=True)
-      rows.append(row)
+      rows.append(lm_sweep.lm_run(rule, lr, args.warmup, seed, {"adam_b1": b1, "adam_b2": b2},
+                                  args.quick, out, f"b1-{b1:g}_b2-{b2:g}"))
       _common.write_json(out / "adam_betas.json", summarize(rows, args.seeds))
   result = summarize(rows, args.seeds)
   print("| point | rule | eval bits/byte | against dp |\n|---|---|---|---|")

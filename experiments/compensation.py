@@ -23,7 +23,6 @@ dp's at the same seeds:
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import _common
@@ -44,7 +43,8 @@ def summarize(rows: list[dict], seeds: int) -> dict:
   for rule, variants in table.items():
     for variant, runs in variants.items():
       out.setdefault(rule, {})[variant] = {
-          **lm_sweep.seed_stats(runs, FINAL), "seeds": sorted(r["seed"] for r in runs), "diverged": sum(r["diverged"] for r in runs),
+          **lm_sweep.seed_stats(runs, FINAL), "seeds": sorted(r["seed"] for r in runs),
+          "diverged": sum(r["diverged"] for r in runs),
           **{k: runs[0][k] for k in VARIANTS[variant]}}
   dp = (out.get("dp") or {}).get("none")
   for rule, variants in out.items():
@@ -71,14 +71,8 @@ def main(argv=None) -> dict:
   for seed in range(args.seeds):  # Seed-major: an interrupted study has every point's first seeds.
     for rule, variant in points:
       tag = "" if variant == "none" else variant.replace("+", "-")
-      name = lm_sweep.run_name("lm", "adamw", rule, args.learning_rate, args.warmup, seed, tag)
-      path = out / "runs" / f"{name}.json"
-      if path.exists():
-        row = json.loads(path.read_text())
-      else:
-        row = lm_sweep.train_one("lm", "adamw", rule, args.learning_rate, args.warmup, seed,
-                                 VARIANTS[variant], args.quick, out, tag)
-        print(f"{name}: {'diverged' if row['diverged'] else f'{row[FINAL]:.4f}'}", flush=True)
+      row = lm_sweep.lm_run(rule, args.learning_rate, args.warmup, seed, VARIANTS[variant],
+                            args.quick, out, tag)
       rows.append({**row, "variant": variant})
       _common.write_json(out / "compensation.json", summarize(rows, args.seeds))
   result = summarize(rows, args.seeds)

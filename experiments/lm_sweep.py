@@ -167,6 +167,19 @@ def train_one(task, optimizer, rule, lr, warmup, seed, extra, quick, out,
   return row
 
 
+def lm_run(rule, lr, warmup, seed, extra, quick, out, variant: str = "") -> dict:
+  """An AdamW run of the LM quick start: its ``runs/<name>.json`` under ``out`` if a study has
+  run it already, else trained now (`train_one`) and its final bits per byte printed."""
+  name = run_name("lm", "adamw", rule, lr, warmup, seed, variant)
+  path = out / "runs" / f"{name}.json"
+  if path.exists():
+    return json.loads(path.read_text())
+  row = train_one("lm", "adamw", rule, lr, warmup, seed, extra, quick, out, variant)
+  final = METRICS["lm"][1]
+  print(f"{name}: {'diverged' if row['diverged'] else f'{row[final]:.4f}'}", flush=True)
+  return row
+
+
 def seed_stats(runs: list[dict], final: str) -> dict:
   """Mean and std (over seeds, ddof 0) of the runs' ``final`` metric, and how many runs: those
   that did not diverge."""

@@ -593,6 +593,13 @@ def _equal_rate_rows(task, optimizer, rules, metric, lower_is_better) -> list[Ro
   return rows
 
 
+def _seeds_figure(r: dict) -> str:
+  """A study's final metric over seeds (`lm_sweep.seed_stats`), or that every seed diverged."""
+  if r["mean"] is None:
+    return "diverged"
+  return f"{r['mean']:.3f} ± {r['std']:.3f} ({r['n']} seed{'s' * (r['n'] != 1)})"
+
+
 def compensation_rows(data: dict) -> list[Row]:
   """Each delay compensation's bits per byte against dp's; cdp-v2's best should be within 1%."""
   table = data["table"]
@@ -601,8 +608,7 @@ def compensation_rows(data: dict) -> list[Row]:
   rows = []
   for rule, variants in table.items():
     for variant, r in variants.items():
-      figure = (f"{r['mean']:.3f} ± {r['std']:.3f} ({r['n']} seed{'s' * (r['n'] != 1)})"
-                if r["mean"] is not None else "diverged")
+      figure = _seeds_figure(r)
       if r["gap_to_dp"] is not None and rule != "dp":
         figure += f"; {100 * r['gap_to_dp']:+.1f}% against dp"
       what = f"{rule}, {variant}: eval bits/byte"
@@ -615,9 +621,7 @@ def adam_betas_rows(data: dict) -> list[Row]:
   """Per point (learning rate, Adam's b1 and b2): each rule's bits per byte; each delayed rule's
   best point against dp's best."""
   def figure(r):
-    text = (f"{r['mean']:.3f} ± {r['std']:.3f} ({r['n']} seed{'s' * (r['n'] != 1)})"
-            if r["mean"] is not None else "diverged")
-    return text + (f" ({100 * r['gap_to_dp']:+.1f}%)" if "gap_to_dp" in r else "")
+    return _seeds_figure(r) + (f" ({100 * r['gap_to_dp']:+.1f}%)" if "gap_to_dp" in r else "")
   rules = list(dict.fromkeys(rule for by_rule in data["table"].values() for rule in by_rule))
   rows = [_info(f"{point}: {'; '.join(by_rule)}", "; ".join(map(figure, by_rule.values())))
           for point, by_rule in data["table"].items()]

@@ -429,9 +429,9 @@ def conditional_placement(topology: str = "v5e:2x4") -> list[dict]:
   ``lax.switch`` on the chip and slot), as each event of a cyclic timetable
   reads its stage, since chips run different events in a slot. ``made in a
   per-chip conditional and sent``: a stage-sized buffer is the result of such
-  a switch and is sent, as a backward's gradient message. Rows: the temp heap's arrays in HBM and the
-  on-chip VMEM per chip, and whether the stage is in HBM (arrays of at least
-  a stage).
+  a switch and is sent, as a backward's gradient message. Rows: the temp
+  heap's arrays in HBM and the on-chip VMEM per chip, and whether the stage is
+  in HBM (arrays of at least a stage).
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
